@@ -1,0 +1,325 @@
+"""Precision policies: which dtype parameters, computation and outputs use.
+
+A :class:`Policy` is static configuration (a frozen, hashable dataclass, not a
+pytree), so it can be a ``jit`` static argument or a dict key. It parses from
+JMP's strings (``"p=f32,c=bf16,o=f32"``) and Keras's names
+(``"mixed_bfloat16"``), and ``str(policy)`` parses back to an equal policy.
+"""
+
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Iterator
+from typing import TypeVar
+
+import jax.numpy as jnp
+import numpy as np
+from jax.typing import DTypeLike
+
+from . import casting
+from ._errors import format_choices, suggest
+
+
+T = TypeVar("T")
+
+# JMP's dtype names. "half" is resolved when parsed (it depends on the backend).
+_DTYPE_NAMES: dict[str, DTypeLike] = {
+    "full": jnp.float32,
+    "f32": jnp.float32,
+    "float32": jnp.float32,
+    "half": "half",
+    "f16": jnp.float16,
+    "float16": jnp.float16,
+    "bf16": jnp.bfloat16,
+    "bfloat16": jnp.bfloat16,
+    "f64": jnp.float64,
+    "float64": jnp.float64,
+}
+_SHORT_NAMES = {
+    np.dtype(jnp.float32): "f32",
+    np.dtype(jnp.float16): "f16",
+    np.dtype(jnp.bfloat16): "bf16",
+    np.dtype(jnp.float64): "f64",
+}
+# Keras names: "mixed_*" keeps float32 master weights and float32 outputs.
+_KERAS_POLICIES = {
+    "mixed_float16": ("float32", "float16", "float32"),
+    "mixed_bfloat16": ("float32", "bfloat16", "float32"),
+}
+_KEYS = {
+    "p": "param",
+    "params": "param",
+    "c": "compute",
+    "compute": "compute",
+    "o": "output",
+    "output": "output",
+}
+
+
+def _parse_dtype(name: str, *, spec: str, whole: bool = False) -> np.dtype:
+    key = name.strip().lower()
+    if key not in _DTYPE_NAMES:
+        valid = [*_DTYPE_NAMES, *_KERAS_POLICIES] if whole else list(_DTYPE_NAMES)
+        try:  # Any other floating dtype NumPy knows, e.g. "float8_e4m3fn".
+            dtype = np.dtype(jnp.dtype(key))
+            if jnp.issubdtype(dtype, jnp.floating):
+                return dtype
+        except TypeError:
+            pass
+        raise ValueError(
+            f"`get_policy({spec!r})`: unknown dtype name {name.strip()!r}."
+            f"{suggest(key, valid)} Valid names are {format_choices(valid)}, "
+            "or any floating dtype name."
+        )
+    value = _DTYPE_NAMES[key]
+    if value == "half":
+        return casting.half_dtype()
+    return np.dtype(jnp.dtype(value))
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """The dtypes of a mixed-precision computation.
+
+    Attributes:
+        param_dtype: the dtype parameters are stored in (the "master weights").
+        compute_dtype: the dtype the computation runs in.
+        output_dtype: the dtype of the function's outputs.
+
+    Each accepts a NumPy dtype, a ``jnp`` scalar type or a name
+    (``"bfloat16"``, ``"bf16"``, ``"half"``, ...) and is stored as an ``np.dtype``,
+    so equal dtypes given in different forms make equal, equally hashed policies.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> policy = Policy(jnp.float32, "bf16", np.dtype("float32"))
+        >>> str(policy)
+        'p=f32,c=bf16,o=f32'
+        >>> policy == get_policy("mixed_bfloat16")
+        True
+        >>> params = {"w": jnp.ones(2), "step": jnp.array(0)}
+        >>> policy.cast_to_compute(params)["w"].dtype
+        dtype(bfloat16)
+    """
+
+    param_dtype: np.dtype
+    compute_dtype: np.dtype
+    output_dtype: np.dtype
+
+    def __post_init__(self):
+        for field in ("param_dtype", "compute_dtype", "output_dtype"):
+            value = getattr(self, field)
+            if isinstance(value, str) and value.strip().lower() in _DTYPE_NAMES:
+                dtype = _parse_dtype(value, spec=value)
+            else:
+                dtype = casting.canonical_float_dtype(value, argname=field)
+            object.__setattr__(self, field, dtype)
+
+    def cast_to_param(self, x: T) -> T:
+        """Casts floating array leaves of ``x`` to :attr:`param_dtype`.
+
+        Examples:
+            >>> get_policy("p=bf16").cast_to_param(jnp.ones(2)).dtype
+            dtype(bfloat16)
+        """
+        return casting.cast_tree(x, self.param_dtype)
+
+    def cast_to_compute(self, x: T) -> T:
+        """Casts floating array leaves of ``x`` to :attr:`compute_dtype`.
+
+        Examples:
+            >>> get_policy("mixed_float16").cast_to_compute(jnp.ones(2)).dtype
+            dtype('float16')
+        """
+        return casting.cast_tree(x, self.compute_dtype)
+
+    def cast_to_output(self, x: T) -> T:
+        """Casts floating array leaves of ``x`` to :attr:`output_dtype`.
+
+        Examples:
+            >>> get_policy("mixed_float16").cast_to_output(jnp.ones(2, "f2")).dtype
+            dtype('float32')
+        """
+        return casting.cast_tree(x, self.output_dtype)
+
+    def with_param_dtype(self, param_dtype: DTypeLike) -> "Policy":
+        """Returns a copy with ``param_dtype`` replaced.
+
+        Examples:
+            >>> str(get_policy("float32").with_param_dtype("bf16"))
+            'p=bf16,c=f32,o=f32'
+        """
+        return dataclasses.replace(self, param_dtype=param_dtype)
+
+    def with_compute_dtype(self, compute_dtype: DTypeLike) -> "Policy":
+        """Returns a copy with ``compute_dtype`` replaced.
+
+        Examples:
+            >>> str(get_policy("float32").with_compute_dtype("f16"))
+            'p=f32,c=f16,o=f32'
+        """
+        return dataclasses.replace(self, compute_dtype=compute_dtype)
+
+    def with_output_dtype(self, output_dtype: DTypeLike) -> "Policy":
+        """Returns a copy with ``output_dtype`` replaced.
+
+        Examples:
+            >>> str(get_policy("bf16").with_output_dtype("f32"))
+            'p=bf16,c=bf16,o=f32'
+        """
+        return dataclasses.replace(self, output_dtype=output_dtype)
+
+    def __str__(self) -> str:
+        def name(dtype: np.dtype) -> str:
+            return _SHORT_NAMES.get(dtype, dtype.name)
+
+        return (
+            f"p={name(self.param_dtype)},c={name(self.compute_dtype)},"
+            f"o={name(self.output_dtype)}"
+        )
+
+
+def get_policy(spec: "str | Policy") -> Policy:
+    """Parses a policy from a string (or returns a :class:`Policy` unchanged).
+
+    Two grammars are understood:
+
+    * JMP's: comma-separated ``key=dtype`` pairs with keys ``p``/``params``,
+      ``c``/``compute`` and ``o``/``output``; params default to float32, compute
+      follows params and output follows compute. A single dtype name sets all
+      three. Dtype names: ``full f32 float32 half f16 float16 bf16 bfloat16 f64
+      float64`` (``half`` is :func:`half_dtype`).
+    * Keras's: ``mixed_float16`` and ``mixed_bfloat16`` (float32 params and
+      outputs, 16-bit compute); ``float32``, ``float16``, ``bfloat16`` set all
+      three.
+
+    Args:
+        spec: the policy string, or a ``Policy``.
+
+    Returns:
+        The parsed ``Policy``.
+
+    Raises:
+        ValueError: for an unknown key or dtype name; the message lists the
+            valid ones.
+        TypeError: if ``spec`` is neither a string nor a ``Policy``.
+
+    Examples:
+        >>> str(get_policy("params=float32,compute=bfloat16"))
+        'p=f32,c=bf16,o=bf16'
+        >>> str(get_policy("mixed_float16"))
+        'p=f32,c=f16,o=f32'
+        >>> str(get_policy("bf16"))
+        'p=bf16,c=bf16,o=bf16'
+    """
+    if isinstance(spec, Policy):
+        return spec
+    if not isinstance(spec, str):
+        raise TypeError(
+            f"Expected `get_policy(spec)` to be a str or a mixprec.Policy, "
+            f"got {type(spec).__name__} instead."
+        )
+    text = spec.strip()
+    if text.lower() in _KERAS_POLICIES:
+        return Policy(*_KERAS_POLICIES[text.lower()])
+    if "=" not in text:
+        dtype = _parse_dtype(text, spec=spec, whole=True)
+        return Policy(dtype, dtype, dtype)
+
+    dtypes: dict[str, np.dtype] = {}
+    for part in text.split(","):
+        if part.count("=") != 1:
+            raise ValueError(
+                f"`get_policy({spec!r})`: expected comma-separated `key=dtype` "
+                f"pairs such as 'p=f32,c=bf16,o=f32', got the part {part!r}."
+            )
+        key, value = (s.strip().lower() for s in part.split("="))
+        if key not in _KEYS:
+            raise ValueError(
+                f"`get_policy({spec!r})`: unknown key {key!r}.{suggest(key, _KEYS)} "
+                f"Valid keys are {format_choices(_KEYS)}."
+            )
+        if _KEYS[key] in dtypes:
+            raise ValueError(
+                f"`get_policy({spec!r})`: the {_KEYS[key]} dtype is given twice."
+            )
+        dtypes[_KEYS[key]] = _parse_dtype(value, spec=spec)
+    param = dtypes.get("param", np.dtype(jnp.float32))
+    compute = dtypes.get("compute", param)
+    output = dtypes.get("output", compute)
+    return Policy(param, compute, output)
+
+
+# The process-wide policy, and a per-thread stack of scoped overrides.
+_FULL = Policy(jnp.float32, jnp.float32, jnp.float32)
+_global_lock = threading.Lock()
+_global_policy: Policy = _FULL
+_scoped = threading.local()
+
+
+def _stack() -> list[Policy]:
+    if not hasattr(_scoped, "stack"):
+        _scoped.stack = []
+    return _scoped.stack
+
+
+def get_global_policy() -> Policy:
+    """The policy in effect: the innermost :func:`policy_scope` of this thread,
+    else the one set by :func:`set_global_policy` (float32 by default, or the
+    ``MIXPREC_POLICY`` environment variable at import).
+
+    Examples:
+        >>> str(get_global_policy())
+        'p=f32,c=f32,o=f32'
+        >>> with policy_scope("mixed_bfloat16"):
+        ...     str(get_global_policy())
+        'p=f32,c=bf16,o=f32'
+    """
+    stack = _stack()
+    if stack:
+        return stack[-1]
+    return _global_policy
+
+
+def set_global_policy(policy: "Policy | str") -> None:
+    """Sets the process-wide default policy (seen by every thread).
+
+    Args:
+        policy: a ``Policy`` or any string :func:`get_policy` accepts.
+
+    Examples:
+        >>> set_global_policy("mixed_bfloat16")
+        >>> str(get_global_policy())
+        'p=f32,c=bf16,o=f32'
+        >>> set_global_policy("float32")
+    """
+    global _global_policy
+    parsed = get_policy(policy)
+    with _global_lock:
+        _global_policy = parsed
+
+
+@contextlib.contextmanager
+def policy_scope(policy: "Policy | str") -> Iterator[Policy]:
+    """Overrides the global policy inside a ``with`` block, in this thread only.
+
+    Scopes nest; the previous policy is restored on exit, also on error.
+
+    Args:
+        policy: a ``Policy`` or any string :func:`get_policy` accepts.
+
+    Yields:
+        The parsed policy.
+
+    Examples:
+        >>> with policy_scope("p=f32,c=f16") as p:
+        ...     get_global_policy() is p
+        True
+    """
+    parsed = get_policy(policy)
+    stack = _stack()
+    stack.append(parsed)
+    try:
+        yield parsed
+    finally:
+        stack.pop()

@@ -1,0 +1,65 @@
+"""Shared test helpers: per-dtype tolerances and dtype-checking comparisons."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+# Forward values and gradients, keyed by the dtype the computation ran in
+# (as in jax's public_test_util).
+TOL = {
+    jnp.dtype(jnp.bfloat16): 1e-2,
+    jnp.dtype(jnp.float16): 1e-3,
+    jnp.dtype(jnp.float32): 1e-6,
+}
+GRAD_TOL = {
+    jnp.dtype(jnp.bfloat16): 1e-1,
+    jnp.dtype(jnp.float16): 1e-2,
+    jnp.dtype(jnp.float32): 2e-3,
+}
+
+
+def tol(dtype, *, grad: bool = False) -> float:
+    table = GRAD_TOL if grad else TOL
+    return table[jnp.dtype(dtype)]
+
+
+def assert_tree_dtypes(tree, expected) -> None:
+    """Every leaf of ``tree`` has the dtype of the matching leaf of ``expected``.
+
+    ``expected`` is a pytree of dtypes (or arrays) with the same structure, or a
+    single dtype applied to every floating leaf.
+    """
+    leaves = jax.tree.leaves(tree)
+    if isinstance(expected, (str, type, np.dtype)):
+        for leaf in leaves:
+            if jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
+                assert jnp.result_type(leaf) == jnp.dtype(expected), (
+                    leaf.dtype,
+                    expected,
+                )
+        return
+    exp_leaves = jax.tree.leaves(expected)
+    assert len(leaves) == len(exp_leaves)
+    for a, b in zip(leaves, exp_leaves, strict=True):
+        want = b.dtype if hasattr(b, "dtype") else jnp.dtype(b)
+        assert jnp.result_type(a) == want, (jnp.result_type(a), want)
+
+
+def assert_trees_close(actual, reference, *, dtype, grad: bool = False) -> None:
+    """Compare ``actual`` against a float32 ``reference`` with ``dtype``'s tolerance.
+
+    The comparison is relative to each leaf's largest magnitude, so that values
+    near zero do not dominate.
+    """
+    t = tol(dtype, grad=grad)
+    a_leaves = jax.tree.leaves(actual)
+    r_leaves = jax.tree.leaves(reference)
+    assert len(a_leaves) == len(r_leaves)
+    for a, r in zip(a_leaves, r_leaves, strict=True):
+        a = np.asarray(a, dtype=np.float64)
+        r = np.asarray(r, dtype=np.float64)
+        assert a.shape == r.shape
+        scale = max(np.max(np.abs(r)), 1e-30)
+        err = np.max(np.abs(a - r)) / scale if a.size else 0.0
+        assert err <= t, f"relative error {err:.3g} > tolerance {t:g} for {dtype}"
