@@ -1,4 +1,5 @@
-"""Test configuration shared by every test module.
+"""Test configuration shared by every test module (the root conftest.py gives
+eight CPU devices).
 
 Strict dtype promotion turns silent ``bfloat16 + float32 -> float32`` upcasts into
 errors, which is exactly the class of bug mixed precision code hides. Tests that
@@ -6,14 +7,9 @@ exercise third-party code relying on implicit promotion opt out with
 ``@pytest.mark.standard_promotion``.
 """
 
-import os
+import jax
+import pytest
 
-
-# Eight CPU devices for the sharding tests; must be set before JAX initialises.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-
-import jax  # noqa: E402
-import pytest  # noqa: E402
 
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
