@@ -1,0 +1,137 @@
+"""Every import of JAX internals and every JAX-version shim lives here.
+
+A JAX release that renames something breaks this one file. Everything else in
+mixprec imports only from ``jax``, ``jax.extend.core``,
+``jax.extend.core.primitives`` and ``jax.extend.source_info_util``.
+
+Owner: the autocast-interpreter piece. Other pieces may append functions at the
+end (one edit, with a comment naming the user).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax._src import core as _core
+from jax._src.interpreters import ad as _ad, partial_eval as _pe
+from jax.extend import linear_util as _lu
+from jax.extend.core import ClosedJaxpr, Jaxpr
+
+
+__all__ = [
+    "ClosedJaxpr",
+    "Jaxpr",
+    "Zero",
+    "convert_constvars_jaxpr",
+    "get_aval",
+    "instantiate_zeros",
+    "shard_map_p",
+    "trace_to_closed_jaxpr",
+]
+
+# -- primitives that jax.extend.core.primitives does not export -------------------
+try:  # JAX >= 0.6: shard_map lives in jax._src.shard_map
+    _shard_map_mod = importlib.import_module("jax._src.shard_map")
+except ImportError:  # pragma: no cover - older JAX
+    _shard_map_mod = importlib.import_module("jax.experimental.shard_map")
+shard_map_p: Any = getattr(_shard_map_mod, "shard_map_p")  # noqa: B009
+
+Zero: Any = getattr(_ad, "Zero")  # noqa: B009
+SymbolicZero: Any = jax.custom_derivatives.SymbolicZero
+
+
+def get_aval(x: Any) -> Any:
+    """The abstract value of ``x`` (shape, dtype, weak type, sharding, vma)."""
+    return _core.typeof(x)
+
+
+def is_tracer(x: Any) -> bool:
+    """Whether ``x`` is a tracer of some JAX trace."""
+    return isinstance(x, _core.Tracer)
+
+
+def _debug_info(fn: Callable, name: str, n_args: int) -> Any:
+    return _core.DebugInfo(
+        "autocast", name, tuple(f"args[{i}]" for i in range(n_args)), None
+    )
+
+
+def trace_to_closed_jaxpr(
+    fn: Callable[..., Sequence[Any]], in_avals: Sequence[Any], *, name: str = "fn"
+) -> ClosedJaxpr:
+    """Traces ``fn(*args) -> list`` at the exact abstract values ``in_avals``.
+
+    Unlike ``jax.make_jaxpr`` with ``ShapeDtypeStruct``\\ s, this keeps every
+    part of the aval (weak type, sharding, varying manual axes under
+    ``shard_map``), and it does not reset the axis environment.
+    """
+    wrapped = _lu.wrap_init(
+        lambda *a: list(fn(*a)), debug_info=_debug_info(fn, name, len(in_avals))
+    )
+    jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(wrapped, list(in_avals))
+    return ClosedJaxpr(jaxpr, consts)
+
+
+def convert_constvars_jaxpr(jaxpr: Jaxpr) -> Jaxpr:
+    """Turns the constvars of ``jaxpr`` into leading invars."""
+    return _pe.convert_constvars_jaxpr(jaxpr)
+
+
+def instantiate_zeros(x: Any) -> Any:
+    """Turns an AD symbolic zero (``Zero``/``SymbolicZero``) into an array."""
+    if isinstance(x, Zero | SymbolicZero):
+        aval: Any = x.aval
+        return jax.numpy.zeros(aval.shape, aval.dtype)
+    return x
+
+
+def is_symbolic_zero(x: Any) -> bool:
+    return isinstance(x, Zero | SymbolicZero)
+
+
+def custom_jvp_jaxpr(
+    jvp_jaxpr_fun: Any, num_primals: int
+) -> tuple[Jaxpr, Sequence[Any], Sequence[bool]]:
+    """The JVP jaxpr of a ``custom_jvp_call`` with every tangent non-zero.
+
+    Returns ``(jaxpr, consts, out_zeros)``: the jaxpr takes the primals then the
+    tangents and returns the primal outputs then the non-zero output tangents.
+    """
+    jaxpr, consts, out_zeros = jvp_jaxpr_fun.call_wrapped(*([False] * num_primals))
+    return jaxpr, consts, out_zeros
+
+
+def custom_vjp_fwd_jaxpr(
+    fwd_jaxpr_thunk: Any, num_primals: int
+) -> tuple[Jaxpr, Sequence[Any]]:
+    """The forward jaxpr of a ``custom_vjp_call`` with every input non-zero.
+
+    The jaxpr takes the primals and returns the residuals then the primal outputs.
+    """
+    jaxpr, consts = fwd_jaxpr_thunk.call_wrapped(*([True] * num_primals))
+    return jaxpr, consts
+
+
+def call_custom_vjp_bwd(bwd: Any, *args: Any) -> list[Any]:
+    """Calls the flattened user ``bwd`` of a ``custom_vjp_call`` eqn."""
+    return list(bwd.call_wrapped(*args))
+
+
+def eqn_source_summary(source_info: Any) -> str:
+    """``"file.py:LINE (function)"`` of the user frame of an eqn, or ``""``."""
+    from jax._src import source_info_util as siu
+
+    if source_info is None or source_info.traceback is None:
+        return ""
+    frame = siu.user_frame(source_info.traceback)  # type: ignore[attr-defined]
+    if frame is None:
+        return ""
+    return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
+
+
+def shaped_array(shape: Sequence[int], dtype: Any, *, weak_type: bool = False) -> Any:
+    """An abstract array value (``ShapedArray``)."""
+    return _core.ShapedArray(tuple(shape), dtype, weak_type=weak_type)

@@ -1,0 +1,394 @@
+"""``mixprec.autocast``: run any JAX function in mixed precision.
+
+How a call works:
+
+1. The arguments are flattened. Array leaves (``jax.Array``, NumPy arrays,
+   tracers) are traced; every other leaf (Python scalars, strings, ``None``,
+   modules' static config) is static and part of the cache key.
+2. ``fn`` is traced to a jaxpr at the abstract values of the array leaves.
+3. The jaxpr is re-interpreted equation by equation
+   (:mod:`~mixprec._src.autocast.interpreter`) and the result traced into a new
+   jaxpr, whose floating outputs are cast to ``policy.output_dtype``.
+4. Steps 2-3 are cached per (function, argument types and tree, static leaves,
+   policy, mode, lists, strict, region); the transformed jaxpr runs through a
+   ``jax.jit(..., inline=True)``, so an eager second call neither re-traces nor
+   re-compiles, and under an outer ``jit`` it is inlined.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import functools as ft
+import os
+import threading
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import jax
+import numpy as np
+from jax.extend import source_info_util as siu
+from jax.extend.core import jaxpr_as_fun
+
+from mixprec._src import _compat
+from mixprec._src.autocast import hop_rules, interpreter, regions, rules
+from mixprec._src.autocast.modes import validate_mode
+from mixprec._src.autocast.op_lists import default_op_lists
+from mixprec._src.autocast.rules import CastContext
+from mixprec._src.policy import Policy, get_global_policy, get_policy
+
+
+del hop_rules  # imported for its registrations
+
+__all__ = ["autocast"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# The configuration of the autocast whose function is being traced (stage 2).
+_active: contextvars.ContextVar[CastContext | None] = contextvars.ContextVar(
+    "mixprec_autocast_active", default=None
+)
+
+
+def _is_dynamic(x: Any) -> bool:
+    return isinstance(x, jax.Array | np.ndarray | np.generic) or _compat.is_tracer(x)
+
+
+@dataclasses.dataclass
+class _Entry:
+    call: Callable[..., Any]
+    consts: list[Any]
+    out_tree: Any
+    out_static: dict[int, Any]
+    n_out: int
+    transformed: Any
+
+
+class _Cache:
+    """Per-function cache of transformed jaxprs (weak on the function)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._weak: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.misses = 0
+
+    def get(self, fn: Any, key: Any) -> _Entry | None:
+        try:
+            table = self._weak.get(fn)
+        except TypeError:
+            return None
+        return None if table is None else table.get(key)
+
+    def put(self, fn: Any, key: Any, entry: _Entry) -> None:
+        with self._lock:
+            try:
+                table = self._weak.setdefault(fn, {})
+            except TypeError:  # not weak-referenceable: do not cache
+                return
+            table[key] = entry
+
+
+_cache = _Cache()
+
+
+def _current_region() -> str:
+    return str(siu.current_name_stack())
+
+
+def _config_key() -> tuple[Any, ...]:
+    return (
+        jax.config.jax_enable_x64,  # type: ignore[attr-defined]
+        jax.config.jax_numpy_dtype_promotion,  # type: ignore[attr-defined]
+        jax.config.jax_default_matmul_precision,  # type: ignore[attr-defined]
+    )
+
+
+def _static_key(statics: list[tuple[int, Any]]) -> Any:
+    try:
+        key = tuple((i, type(v), v) for i, v in statics)
+        hash(key)
+        return key
+    except TypeError:
+        return None
+
+
+def _aval(x: Any) -> Any:
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return _compat.shaped_array(x.shape, x.dtype)
+    return _compat.get_aval(x)
+
+
+def _cast_output(x: Any, dtype: np.dtype) -> Any:
+    return rules.cast(x, dtype) if rules.is_floating(x) else x
+
+
+def _build(
+    fn: Callable[..., Any],
+    ctx: CastContext,
+    leaves: list[Any],
+    treedef: Any,
+    dyn_idx: list[int],
+    region_stack: str,
+) -> _Entry:
+    out_info: dict[str, Any] = {}
+
+    def flat_fn(*dyn: Any) -> list[Any]:
+        full = list(leaves)
+        for i, x in zip(dyn_idx, dyn, strict=True):
+            full[i] = x
+        args, kwargs = jax.tree.unflatten(treedef, full)
+        token = _active.set(ctx)
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            _active.reset(token)
+        out_leaves, out_tree = jax.tree.flatten(out)
+        out_info["tree"] = out_tree
+        out_info["static"] = {
+            i: x for i, x in enumerate(out_leaves) if not _is_dynamic(x)
+        }
+        out_info["n"] = len(out_leaves)
+        return [x for x in out_leaves if _is_dynamic(x)]
+
+    in_avals = [_aval(leaves[i]) for i in dyn_idx]
+    name = getattr(fn, "__name__", type(fn).__name__)
+    closed = _compat.trace_to_closed_jaxpr(flat_fn, in_avals, name=name)
+    jaxpr = _compat.convert_constvars_jaxpr(closed.jaxpr)
+    consts = list(closed.consts)
+    n_consts = len(consts)
+
+    run_ctx = ctx
+    found = regions.parse_name_stack(region_stack) if region_stack else None
+    if found is not None:
+        dummy = _RegionEqn(region_stack)
+        run_ctx = interpreter.region_context(ctx, dummy)  # type: ignore[arg-type]
+    out_dtype = ctx.policy.output_dtype
+
+    def interp(*vals: Any) -> list[Any]:
+        outs = interpreter.eval_jaxpr(
+            run_ctx, jaxpr, [], vals, from_param=[True] * len(vals)
+        )
+        return [_cast_output(o, out_dtype) for o in outs]
+
+    const_avals = [_compat.get_aval(c) for c in consts]
+    transformed = _compat.trace_to_closed_jaxpr(
+        interp, const_avals + in_avals, name=name
+    )
+    del n_consts
+    run = jaxpr_as_fun(transformed)
+
+    def autocast_call(*args: Any) -> Any:
+        return run(*args)
+
+    autocast_call.__name__ = f"autocast_{name}"
+    call = jax.jit(autocast_call, inline=True)
+    return _Entry(
+        call=call,
+        consts=consts,
+        out_tree=out_info["tree"],
+        out_static=out_info["static"],
+        n_out=out_info["n"],
+        transformed=transformed,
+    )
+
+
+class _RegionEqn:
+    """A stand-in equation carrying only a name stack (for the call site)."""
+
+    def __init__(self, stack: str) -> None:
+        self.source_info = _StackOnly(stack)
+
+
+class _StackOnly:
+    def __init__(self, stack: str) -> None:
+        self.name_stack = stack
+
+
+def _split(args: tuple, kwargs: dict) -> tuple[list[Any], Any, list[int], Any]:
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    dyn_idx = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
+    statics = [(i, x) for i, x in enumerate(leaves) if not _is_dynamic(x)]
+    return leaves, treedef, dyn_idx, _static_key(statics)
+
+
+def _run(
+    fn: Callable[..., Any],
+    ctx: CastContext,
+    args: tuple,
+    kwargs: dict,
+) -> Any:
+    leaves, treedef, dyn_idx, skey = _split(args, kwargs)
+    dyn = [leaves[i] for i in dyn_idx]
+    region_stack = _current_region()
+    region_key = regions.parse_name_stack(region_stack) if region_stack else None
+    key = None
+    entry = None
+    if skey is not None:
+        avals = tuple(_compat.get_aval(x) for x in dyn)
+        key = (treedef, tuple(dyn_idx), skey, avals, ctx, region_key, _config_key())
+        entry = _cache.get(fn, key)
+    if entry is None:
+        _cache.misses += 1
+        entry = _build(fn, ctx, leaves, treedef, dyn_idx, region_stack)
+        if key is not None and not any(_compat.is_tracer(c) for c in entry.consts):
+            _cache.put(fn, key, entry)
+    outs = iter(entry.call(*entry.consts, *dyn))
+    out_leaves = [
+        entry.out_static[i] if i in entry.out_static else next(outs)
+        for i in range(entry.n_out)
+    ]
+    return jax.tree.unflatten(entry.out_tree, out_leaves)
+
+
+def trace_transformed(
+    fn: Callable[..., Any], ctx: CastContext, args: tuple, kwargs: dict
+) -> Any:
+    """Builds (without caching or running) the transformed jaxpr of ``fn``.
+
+    Arguments may be ``jax.ShapeDtypeStruct``\\ s. Returns the closed jaxpr.
+    """
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    dyn_idx = [
+        i
+        for i, x in enumerate(leaves)
+        if _is_dynamic(x) or isinstance(x, jax.ShapeDtypeStruct)
+    ]
+    entry = _build(fn, ctx, leaves, treedef, dyn_idx, _current_region())
+    return entry.transformed
+
+
+def autocast(
+    fn: F,
+    policy: Policy | str | None = None,
+    *,
+    mode: str = "allow_mix_precision",
+    mixlist: Mapping[str, Any] | str | os.PathLike | None = None,
+    strict: bool = False,
+    forward_mode_ad: bool = False,
+) -> F:
+    """Transforms ``fn`` to run in mixed precision, driven by op lists and a mode.
+
+    The returned function has the signature and output structure of ``fn``. It
+    traces ``fn`` to a jaxpr and re-runs it op by op: allow-list ops (matmuls,
+    convolutions) run in the policy's compute dtype, deny-list ops (``exp``,
+    ``log``, reductions, softmax, norms, losses) in float32, gray ops follow
+    their inputs, and higher-order primitives (nested ``jit``, ``scan``,
+    ``while_loop``, ``cond``, ``checkpoint``, ``custom_jvp``/``custom_vjp``,
+    ``shard_map``) are entered and rebuilt. Floating outputs come back in
+    ``policy.output_dtype``; integers, booleans and PRNG keys are untouched.
+    Parameters are not cast up front: each op casts what it reads, so float32
+    master weights stay float32 and gradients come back in float32.
+
+    It composes with ``jax.jit``, ``jax.grad``, ``jax.value_and_grad``,
+    ``jax.vmap``, ``jax.checkpoint`` and itself (a nested autocast with its own
+    configuration wins inside). A second call with the same argument types does
+    not re-trace.
+
+    Array arguments (``jax.Array``, NumPy arrays, tracers) are traced; every
+    other leaf of the arguments (Python numbers, strings, ``None``, static
+    config) is treated as static, like ``equinox.filter_jit``: a new value
+    re-traces.
+
+    Notes:
+        * With ``policy=None`` the global policy is read when the wrapped
+          function is called; under an outer ``jax.jit`` that is when the outer
+          function is traced (JAX caches the trace, as for any global state).
+        * Use :func:`mixprec.float32_scope` (or a ``jax.named_scope`` named like
+          a composite, e.g. ``"layer_norm"``) for parts that must stay float32;
+          ``x.astype(jnp.float32)`` on a float32 value leaves no trace.
+        * A primitive in no op list and without a rule runs at the dtypes it was
+          traced with; ``strict=True`` raises instead.
+        * Loop carries keep the wider of their traced and received dtypes, so a
+          float32 RNN state stays float32 across ``scan`` iterations.
+
+    Args:
+        fn: the function to transform.
+        policy: a :class:`mixprec.Policy` or a string for
+            :func:`mixprec.get_policy` (``"mixed_bfloat16"``,
+            ``"p=f32,c=bf16,o=f32"``). None: the global policy at call time.
+        mode: the precision mode (seed 003): ``"allow_mix_precision"`` (default),
+            ``"allow_mix_precision_bf16"``, ``"allow_fp32_to_fp16"``,
+            ``"allow_fp32_to_bf16"``, ``"force_fp16"``, ``"force_fp32"``,
+            ``"must_keep_origin_dtype"``.
+        mixlist: edits to the default op lists: a dict, a JSON string or a path
+            to a JSON file (see :func:`mixprec.modify_mixlist`).
+        strict: raise ``NotImplementedError`` (naming the primitive and the user
+            source line) for a primitive that is in no op list and has no rule,
+            instead of treating it as gray.
+        forward_mode_ad: formulate low-precision dots without a ``custom_vjp``,
+            so that ``jax.jvp``/``jax.jacfwd`` work through the result. By
+            default (False) dots use a ``custom_vjp`` whose backward dots are
+            low precision too, which is faster for reverse mode on CPU.
+
+    Returns:
+        The transformed function.
+
+    Raises:
+        TypeError: ``fn`` is not callable.
+        ValueError: unknown ``mode`` or policy, or a bad ``mixlist``.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> import mixprec
+        >>> def mlp(w, x):
+        ...     return jax.nn.relu(x @ w).sum()
+        >>> f = mixprec.autocast(mlp, "mixed_bfloat16")
+        >>> w, x = jnp.ones((4, 3)), jnp.ones((2, 4))
+        >>> f(w, x), f(w, x).dtype
+        (Array(24., dtype=float32), dtype('float32'))
+        >>> jax.grad(f)(w, x).dtype
+        dtype('float32')
+        >>> jax.jit(jax.vmap(f, in_axes=(None, 0)))(w, x[:, None]).shape
+        (2,)
+    """
+    if not callable(fn):
+        raise TypeError(
+            f"`autocast(fn, ...)` expects a callable, got {type(fn).__name__} instead."
+        )
+    validate_mode(mode)
+    fixed_policy = None if policy is None else get_policy(policy)
+    lists = default_op_lists()
+    if mixlist is not None:
+        from mixprec._src.autocast.mixlist import modify_mixlist
+
+        lists = modify_mixlist(lists, mixlist)
+    make = ft.partial(
+        interpreter.make_context,
+        mode=mode,
+        strict=strict,
+        forward_mode_ad=forward_mode_ad,
+        lists=lists,
+    )
+    fixed_ctx = None if fixed_policy is None else make(fixed_policy)
+
+    @ft.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        ctx = (
+            fixed_ctx if fixed_ctx is not None else _ctx_for(make, get_global_policy())
+        )
+        active = _active.get()
+        if active is not None:
+            # Nested inside another autocast being traced: let the outer
+            # interpreter run our ops, in a region with our configuration.
+            if active == ctx:
+                return fn(*args, **kwargs)
+            with jax.named_scope(regions.context_marker(ctx)):
+                return fn(*args, **kwargs)
+        return _run(fn, ctx, args, kwargs)
+
+    wrapped.__mixprec_autocast__ = True  # type: ignore[attr-defined]
+    return wrapped  # type: ignore[return-value]
+
+
+_ctx_memo: dict[Any, CastContext] = {}
+
+
+def _ctx_for(make: Callable[..., CastContext], policy: Policy) -> CastContext:
+    key = (make, policy)
+    ctx = _ctx_memo.get(key)
+    if ctx is None:
+        ctx = make(policy)
+        if len(_ctx_memo) < 1024:
+            _ctx_memo[key] = ctx
+    return ctx

@@ -1,0 +1,476 @@
+"""Low-precision dots and convolutions, formulated per backend.
+
+The autocast interpreter routes every ``dot_general`` and ``conv_general_dilated``
+it lowers through :func:`dot_general` and :func:`conv_general_dilated`. They
+take the operands at whatever floating dtype they arrive in, run the product
+with inputs rounded to ``low_dtype`` and return the result in ``out_dtype``.
+
+How the product is computed depends on the backend, because what is fast
+differs (see ``docs/performance.md`` for the measurements):
+
+* **CPU** (XLA:CPU, jaxlib 0.10.x). Only ``bfloat16 x bfloat16 -> float32``
+  runs natively (oneDNN/YNNPACK with AVX-512 BF16); ``bfloat16 -> bfloat16``
+  dots are silently converted to float32 dots. So the forward dot is
+  ``bf16 x bf16 -> f32`` and a ``jax.custom_vjp`` makes the two cotangent dots
+  of the backward pass ``bf16 x bf16 -> f32`` as well (JAX's own transpose rule
+  would produce ``f32 x bf16`` dots that run in float32). Every dot is first put
+  into a canonical layout (batch dims leading, lhs contraction trailing, rhs
+  contraction leading after the batch dims), which is both the layout the fast
+  kernels want and the workaround for the jaxlib 0.10.2 bug
+  ``Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32``.
+  ``float16`` is never native on CPU: the inputs are rounded to float16 (so the
+  numerics are those of a float16 GPU dot with float32 accumulation) and the
+  product runs in float32. It is correct, not fast.
+* **GPU/TPU**. ``low x low -> low``: cuBLAS and the TPU MXU accumulate in
+  float32 internally, and JAX's own transpose rules already give low-precision
+  backward dots, so no custom derivative is needed.
+
+With ``forward_mode_ad=True`` no ``custom_vjp`` is used (a ``custom_vjp``
+function cannot be differentiated in forward mode), so ``jax.jvp`` and
+``jax.jacfwd`` work; reverse mode then uses JAX's transpose rules.
+"""
+
+from __future__ import annotations
+
+import functools as ft
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.typing import ArrayLike, DTypeLike
+
+
+__all__ = ["conv_general_dilated", "dot_general"]
+
+_F32 = np.dtype(np.float32)
+
+# (lhs_contract, rhs_contract), (lhs_batch, rhs_batch), all tuples of ints.
+_DimNums = tuple[tuple[tuple[int, ...], tuple[int, ...]], tuple[tuple[int, ...], ...]]
+
+
+def _platform(platform: str | None) -> str:
+    if platform is not None:
+        return platform
+    return jax.default_backend()
+
+
+def _is_float(x: Any) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.floating)
+
+
+def _canon_dn(dimension_numbers: Any) -> _DimNums:
+    (lc, rc), (lb, rb) = dimension_numbers
+    return (
+        (tuple(int(d) for d in lc), tuple(int(d) for d in rc)),
+        (tuple(int(d) for d in lb), tuple(int(d) for d in rb)),
+    )
+
+
+def _free_dims(ndim: int, contract: Sequence[int], batch: Sequence[int]) -> list[int]:
+    used = set(contract) | set(batch)
+    return [d for d in range(ndim) if d not in used]
+
+
+def _smallest_factor(n: int) -> int:
+    for p in range(2, int(n**0.5) + 1):
+        if n % p == 0:
+            return p
+    return n
+
+
+def _materialized_transpose(x: jax.Array, perm: Sequence[int]) -> jax.Array:
+    """``lax.transpose(x, perm)`` that XLA:CPU keeps as a row-major copy.
+
+    XLA gives a plain ``transpose`` a permuted *layout* instead of moving data,
+    and XLA:CPU's bf16 dot kernels (YNNPACK) only take row-major operands, so a
+    dot fed by a transpose is silently upcast to float32 (or, when a later pass
+    rewrites it, fails with ``DotThunk::Execute: BF16 x BF16 = F32``). Splitting
+    one dimension before the transpose and merging it after turns the transpose
+    into a reshape that is not a bitcast, which gets a real row-major copy.
+    """
+    perm = tuple(perm)
+    if perm == tuple(range(x.ndim)):
+        return x
+    out_shape = tuple(x.shape[p] for p in perm)
+    # Split the largest dimension that has a non-trivial factor.
+    split = None
+    for d in sorted(range(x.ndim), key=lambda d: -x.shape[d]):
+        f = _smallest_factor(x.shape[d])
+        if 1 < f < x.shape[d]:
+            split = (d, f)
+            break
+    if split is None:
+        return lax.transpose(x, perm)
+    d, f = split
+    shape = list(x.shape)
+    expanded = [*shape[:d], f, shape[d] // f, *shape[d + 1 :]]
+    # Expanded index of each original dimension.
+    idx = [[i] if i < d else [i + 1] for i in range(x.ndim)]
+    idx[d] = [d, d + 1]
+    big_perm = [j for p in perm for j in idx[p]]
+    y = lax.transpose(x.reshape(expanded), big_perm)
+    return y.reshape(out_shape)
+
+
+# XLA:CPU (YNNPACK) takes a bf16 dot only when one of m, n, k is at least this.
+_MIN_NATIVE_DIM = 8
+
+
+def _upcast_contract(
+    a: jax.Array,
+    a_labels: list[int],
+    b: jax.Array,
+    b_labels: list[int],
+    out_labels: list[int],
+    batch: list[int],
+    contract: list[int],
+    precision: Any,
+    acc_dtype: np.dtype,
+) -> jax.Array:
+    """The same contraction as :func:`_contract`, on operands cast to ``acc_dtype``."""
+    dims: _DimNums = (
+        (
+            tuple(a_labels.index(lab) for lab in contract),
+            tuple(b_labels.index(lab) for lab in contract),
+        ),
+        (
+            tuple(a_labels.index(lab) for lab in batch),
+            tuple(b_labels.index(lab) for lab in batch),
+        ),
+    )
+    out = lax.dot_general(
+        a.astype(acc_dtype), b.astype(acc_dtype), dims, precision=precision
+    )
+    res_labels = [
+        *batch,
+        *(lab for lab in a_labels if lab not in batch and lab not in contract),
+        *(lab for lab in b_labels if lab not in batch and lab not in contract),
+    ]
+    perm = tuple(res_labels.index(lab) for lab in out_labels)
+    return out if perm == tuple(range(out.ndim)) else lax.transpose(out, perm)
+
+
+def _contract(
+    a: jax.Array,
+    a_labels: Sequence[int],
+    b: jax.Array,
+    b_labels: Sequence[int],
+    out_labels: Sequence[int],
+    precision: Any,
+    acc_dtype: np.dtype,
+) -> jax.Array:
+    """An einsum of two operands as one canonical matmul, result in ``acc_dtype``.
+
+    Each dimension carries a label. Labels in ``a``, ``b`` and the output are
+    batch dimensions, labels in ``a`` and ``b`` only are contracted, and labels in
+    one operand and the output are free. The operands are laid out as
+    ``(batch, m, k)`` and ``(batch, k, n)`` (groups merged into one dimension,
+    the batch dimension dropped when there is none) with real row-major copies
+    where a transpose is needed, so that XLA:CPU sees the one layout its bf16
+    kernels take. The free dimensions are ordered (and the two operands swapped
+    when that helps) so that the result comes out in ``out_labels`` order with no
+    transpose after the dot: XLA folds a transpose of a dot's result back into
+    the dot, which undoes the canonical layout.
+    """
+    a_labels, b_labels, out_labels = list(a_labels), list(b_labels), list(out_labels)
+    sizes = dict(zip(a_labels, a.shape, strict=True))
+    sizes.update(zip(b_labels, b.shape, strict=True))
+    a_set, b_set, out_set = set(a_labels), set(b_labels), set(out_labels)
+    batch = [lab for lab in out_labels if lab in a_set and lab in b_set]
+    contract = [lab for lab in a_labels if lab in b_set and lab not in out_set]
+    a_free = [lab for lab in out_labels if lab in a_set and lab not in b_set]
+    b_free = [lab for lab in out_labels if lab in b_set and lab not in a_set]
+    nb = len(batch)
+    rest = out_labels[nb:]
+    if out_labels[:nb] == batch and rest == [*b_free, *a_free] and a_free:
+        # The output wants b's free dimensions first: compute b . a.
+        a, a_labels, b, b_labels = b, b_labels, a, a_labels
+        a_free, b_free = b_free, a_free
+    mm_labels = [*batch, *a_free, *b_free]
+    bshape = [sizes[lab] for lab in batch]
+    mshape = [sizes[lab] for lab in a_free]
+    nshape = [sizes[lab] for lab in b_free]
+    m, n = math.prod(mshape), math.prod(nshape)
+    k = math.prod(sizes[lab] for lab in contract)
+    if min(m, n) <= 1 or max(m, n, k) < _MIN_NATIVE_DIM:
+        # Matrix-vector and tiny products have no bf16 kernel on XLA:CPU (they
+        # run in float32 either way): skip the layout work and say so.
+        return _upcast_contract(
+            a, a_labels, b, b_labels, out_labels, batch, contract, precision,
+            acc_dtype,
+        )
+    a_c = _materialized_transpose(
+        a, [a_labels.index(lab) for lab in [*batch, *a_free, *contract]]
+    )
+    # The rhs may be (batch, k, n) or (batch, n, k): both run natively, so a
+    # transpose is only materialised when the rhs is in neither order.
+    b_nk = b_labels == [*batch, *b_free, *contract]
+    if not b_nk:
+        b_c = _materialized_transpose(
+            b, [b_labels.index(lab) for lab in [*batch, *contract, *b_free]]
+        )
+    else:
+        b_c = b
+    lead = (math.prod(bshape),) if batch else ()
+    nl = len(lead)
+    a_c = a_c.reshape(*lead, m, k)
+    b_c = b_c.reshape(*lead, n, k) if b_nk else b_c.reshape(*lead, k, n)
+    dims: _DimNums = (
+        ((nl + 1,), (nl + 1 if b_nk else nl,)),
+        ((0,), (0,)) if batch else ((), ()),
+    )
+    # The barriers keep XLA's algebraic simplifier from folding transposes (of
+    # the operands, or of the result, e.g. the user's ``y.T``) back into the dot
+    # after XLA:CPU has decided to run it in bf16: a folded, non-canonical
+    # bf16 x bf16 -> f32 dot has no kernel in jaxlib 0.10.2 and fails at run time
+    # with ``Unsupported element type for DotThunk::Execute``.
+    a_c, b_c = lax.optimization_barrier((a_c, b_c))
+    out = lax.dot_general(
+        a_c, b_c, dims, precision=precision, preferred_element_type=acc_dtype
+    )
+    out = lax.optimization_barrier(out)
+    out = out.reshape(*bshape, *mshape, *nshape)
+    return _materialized_transpose(out, [mm_labels.index(lab) for lab in out_labels])
+
+
+def _dot_labels(
+    lhs_ndim: int, rhs_ndim: int, dn: _DimNums
+) -> tuple[list[int], list[int], list[int]]:
+    """Labels of the lhs, rhs and output dimensions of ``dot_general``."""
+    (lc, rc), (lb, rb) = dn
+    lhs_labels = list(range(lhs_ndim))
+    rhs_labels = [lhs_ndim + i for i in range(rhs_ndim)]
+    for l_dim, r_dim in zip((*lc, *lb), (*rc, *rb), strict=True):
+        rhs_labels[r_dim] = lhs_labels[l_dim]
+    lf = _free_dims(lhs_ndim, lc, lb)
+    rf = _free_dims(rhs_ndim, rc, rb)
+    out_labels = [
+        *(lhs_labels[d] for d in lb),
+        *(lhs_labels[d] for d in lf),
+        *(rhs_labels[d] for d in rf),
+    ]
+    return lhs_labels, rhs_labels, out_labels
+
+
+def _canonical_dot(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    dn: _DimNums,
+    precision: Any,
+    acc_dtype: np.dtype,
+) -> jax.Array:
+    """``lax.dot_general(lhs, rhs, dn)`` through :func:`_contract`."""
+    lhs_labels, rhs_labels, out_labels = _dot_labels(lhs.ndim, rhs.ndim, dn)
+    return _contract(
+        lhs, lhs_labels, rhs, rhs_labels, out_labels, precision, acc_dtype
+    )
+
+
+def _canonical_dot_vjp(
+    g: jax.Array,
+    lhs: jax.Array,
+    rhs: jax.Array,
+    dn: _DimNums,
+    precision: Any,
+    acc_dtype: np.dtype,
+) -> tuple[jax.Array, jax.Array]:
+    """Cotangents of ``lhs`` and ``rhs`` for the output cotangent ``g``."""
+    lhs_labels, rhs_labels, out_labels = _dot_labels(lhs.ndim, rhs.ndim, dn)
+    d_lhs = _contract(
+        g, out_labels, rhs, rhs_labels, lhs_labels, precision, acc_dtype
+    )
+    d_rhs = _contract(
+        g, out_labels, lhs, lhs_labels, rhs_labels, precision, acc_dtype
+    )
+    return d_lhs, d_rhs
+
+
+# --- CPU: bf16 x bf16 -> f32 forward and backward ------------------------------
+
+
+@ft.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
+def _cpu_dot(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    dn: _DimNums,
+    precision: Any,
+    low: np.dtype,
+    out: np.dtype,
+    lhs_dtype: np.dtype,
+    rhs_dtype: np.dtype,
+) -> jax.Array:
+    del lhs_dtype, rhs_dtype
+    res = _canonical_dot(lhs.astype(low), rhs.astype(low), dn, precision, _F32)
+    return res.astype(out)
+
+
+def _cpu_dot_fwd(lhs, rhs, dn, precision, low, out, lhs_dtype, rhs_dtype):
+    del lhs_dtype, rhs_dtype
+    lhs_l, rhs_l = lhs.astype(low), rhs.astype(low)
+    res = _canonical_dot(lhs_l, rhs_l, dn, precision, _F32)
+    return res.astype(out), (lhs_l, rhs_l)
+
+
+def _cpu_dot_bwd(dn, precision, low, out, lhs_dtype, rhs_dtype, residuals, g):
+    del out
+    lhs_l, rhs_l = residuals
+    g_l = g.astype(low)
+    d_lhs, d_rhs = _canonical_dot_vjp(g_l, lhs_l, rhs_l, dn, precision, _F32)
+    return d_lhs.astype(lhs_dtype), d_rhs.astype(rhs_dtype)
+
+
+_cpu_dot.defvjp(_cpu_dot_fwd, _cpu_dot_bwd)
+
+
+def dot_general(
+    lhs: ArrayLike,
+    rhs: ArrayLike,
+    *,
+    dimension_numbers: Any,
+    precision: Any = None,
+    preferred_element_type: DTypeLike | None = None,
+    low_dtype: DTypeLike,
+    out_dtype: DTypeLike,
+    forward_mode_ad: bool = False,
+    out_sharding: Any = None,
+    platform: str | None = None,
+) -> jax.Array:
+    """A ``lax.dot_general`` with inputs rounded to ``low_dtype``, in ``out_dtype``.
+
+    The backend decides how the product runs (see the module docstring): on CPU
+    ``low x low -> float32`` with low-precision backward dots through a
+    ``custom_vjp``; on GPU/TPU ``low x low -> low``. Gradients with respect to
+    ``lhs`` and ``rhs`` come back in their own dtypes.
+
+    Args:
+      lhs: left operand (any floating dtype).
+      rhs: right operand (any floating dtype).
+      dimension_numbers: as for ``jax.lax.dot_general``.
+      precision: as for ``jax.lax.dot_general``.
+      preferred_element_type: the original equation's parameter. It is not
+        used for floating operands: ``out_dtype`` decides the result dtype and
+        the accumulation is float32 on every backend.
+      low_dtype: the dtype the operands are rounded to (``bfloat16`` or
+        ``float16``).
+      out_dtype: the dtype of the result.
+      forward_mode_ad: if True, do not use a ``custom_vjp``, so that the result
+        can be differentiated in forward mode (``jax.jvp``, ``jax.jacfwd``).
+      out_sharding: passed through to ``jax.lax.dot_general`` when not None.
+      platform: the backend to formulate for (``"cpu"``, ``"gpu"``, ``"tpu"``);
+        defaults to ``jax.default_backend()``.
+
+    Returns:
+      The product, with dtype ``out_dtype``.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from mixprec._src.autocast.dots import dot_general
+      >>> x = jnp.ones((2, 3)); w = jnp.ones((3, 4))
+      >>> y = dot_general(x, w, dimension_numbers=(((1,), (0,)), ((), ())),
+      ...                 low_dtype=jnp.bfloat16, out_dtype=jnp.float32)
+      >>> y.dtype, y.shape, float(y[0, 0])
+      (dtype('float32'), (2, 4), 3.0)
+    """
+    del preferred_element_type
+    lhs = jnp.asarray(lhs)
+    rhs = jnp.asarray(rhs)
+    low = np.dtype(low_dtype)
+    out = np.dtype(out_dtype)
+    dn = _canon_dn(dimension_numbers)
+    if not (_is_float(lhs) and _is_float(rhs)):
+        raise TypeError(
+            "`dot_general(lhs, rhs, ...)` expects floating operands, got "
+            f"{lhs.dtype} and {rhs.dtype}."
+        )
+    if out_sharding is not None:
+        # Sharded outputs: keep JAX's own formulation (no layout rewrites).
+        res = lax.dot_general(
+            lhs.astype(low),
+            rhs.astype(low),
+            dn,
+            precision=precision,
+            preferred_element_type=_F32,
+            out_sharding=out_sharding,
+        )
+        return res.astype(out)
+    plat = _platform(platform)
+    if plat != "cpu":
+        res = lax.dot_general(
+            lhs.astype(low), rhs.astype(low), dn, precision=precision
+        )
+        return res.astype(out)
+    if forward_mode_ad:
+        res = _canonical_dot(lhs.astype(low), rhs.astype(low), dn, precision, _F32)
+        return res.astype(out)
+    return _cpu_dot(lhs, rhs, dn, precision, low, out, lhs.dtype, rhs.dtype)
+
+
+def conv_general_dilated(
+    lhs: ArrayLike,
+    rhs: ArrayLike,
+    *,
+    low_dtype: DTypeLike,
+    out_dtype: DTypeLike,
+    forward_mode_ad: bool = False,
+    platform: str | None = None,
+    **conv_params: Any,
+) -> jax.Array:
+    """A ``lax.conv_general_dilated`` with inputs rounded to ``low_dtype``.
+
+    ``conv_params`` are the parameters of ``jax.lax.conv_general_dilated_p``
+    as they appear in a jaxpr equation (``window_strides``, ``padding`` as
+    pairs, ``lhs_dilation``, ``rhs_dilation``, ``dimension_numbers``,
+    ``feature_group_count``, ``batch_group_count``, ``precision``,
+    ``preferred_element_type``, ``out_sharding``). ``preferred_element_type``
+    is replaced: float32 accumulation on CPU, ``low_dtype`` elsewhere.
+
+    Args:
+      lhs: input (any floating dtype).
+      rhs: kernel (any floating dtype).
+      low_dtype: the dtype the operands are rounded to.
+      out_dtype: the dtype of the result.
+      forward_mode_ad: accepted for symmetry with :func:`dot_general`; the
+        convolution uses JAX's own derivative rules, which support both modes.
+      platform: the backend to formulate for; defaults to
+        ``jax.default_backend()``.
+      **conv_params: the ``conv_general_dilated_p`` parameters.
+
+    Returns:
+      The convolution, with dtype ``out_dtype``.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from jax import lax
+      >>> from mixprec._src.autocast.dots import conv_general_dilated
+      >>> x = jnp.ones((1, 2, 5, 5)); k = jnp.ones((3, 2, 3, 3))
+      >>> y = conv_general_dilated(
+      ...     x, k, low_dtype=jnp.bfloat16, out_dtype=jnp.float32,
+      ...     window_strides=(1, 1), padding=((1, 1), (1, 1)),
+      ...     lhs_dilation=(1, 1), rhs_dilation=(1, 1),
+      ...     dimension_numbers=lax.ConvDimensionNumbers(
+      ...         (0, 1, 2, 3), (0, 1, 2, 3), (0, 1, 2, 3)),
+      ...     feature_group_count=1, batch_group_count=1, precision=None,
+      ...     preferred_element_type=None)
+      >>> y.dtype, y.shape, float(y[0, 0, 2, 2])
+      (dtype('float32'), (1, 3, 5, 5), 18.0)
+    """
+    del forward_mode_ad
+    lhs = jnp.asarray(lhs)
+    rhs = jnp.asarray(rhs)
+    low = np.dtype(low_dtype)
+    out = np.dtype(out_dtype)
+    if not (_is_float(lhs) and _is_float(rhs)):
+        raise TypeError(
+            "`conv_general_dilated(lhs, rhs, ...)` expects floating operands, got "
+            f"{lhs.dtype} and {rhs.dtype}."
+        )
+    params = dict(conv_params)
+    params.setdefault("out_sharding", None)
+    plat = _platform(platform)
+    params["preferred_element_type"] = _F32 if plat == "cpu" else None
+    res = lax.conv_general_dilated_p.bind(lhs.astype(low), rhs.astype(low), **params)
+    return res.astype(out)

@@ -1,0 +1,488 @@
+"""mixprec.diagnose: planted float16 problems, found and attributed to op and line.
+
+Each planted problem is checked three ways: the report names the right primitive
+and the user source line (found through a ``# <-`` marker comment), the suggested
+mixlist makes the problem go away when fed back to ``mixprec.autocast``, and
+without it autocast really does produce the inf/zero (so the test can fail).
+"""
+
+import inspect
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import tol
+
+import mixprec
+from mixprec._src.diagnose import merge_black_list
+
+
+F16 = "mixed_float16"
+
+
+def line_of(fn, marker: str) -> int:
+    """The line number of the line in ``fn``'s source that contains ``marker``."""
+    lines, start = inspect.getsourcelines(fn)
+    hits = [start + i for i, text in enumerate(lines) if marker in text]
+    assert len(hits) == 1, (marker, hits)
+    return hits[0]
+
+
+def rel_err(a, b) -> float:
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+# ---------------------------------------------------------------- seed 001 examples
+
+
+def seed_overflow(w, x):
+    h = x @ w
+    return jnp.square(h)  # <- overflow
+
+
+def seed_underflow(w, x):
+    h = x @ w
+    return h * h  # <- underflow
+
+
+def test_seed_overflow_256_squared_found_and_fixed():
+    w, x = jnp.eye(8), jnp.full((8, 8), 256.0)
+    report = mixprec.diagnose(seed_overflow, w, x, policy=F16)
+    op = report.first_nonfinite_op
+    assert op is not None
+    assert op.primitive == "square"
+    assert op.line == line_of(seed_overflow, "# <- overflow")
+    assert op.source.endswith("(seed_overflow)")
+    assert (op.in_dtypes, op.out_dtypes, op.decision) == (
+        ("float16",),
+        ("float16",),
+        "low",
+    )
+    assert op.overflow == 64 and op.underflow == 0 and op.nonfinite == 64
+    assert [p.primitive for p in report.problems] == ["square"]
+    assert report.find("dot_general")[0].overflow == 0  # 256 itself is fine
+    assert report.suggested_mixlist == {"black-list": {"to-add": ["square"]}}
+    assert report.advice_verified is True
+    # Without the advice autocast overflows; with it, it matches float32.
+    broken = mixprec.autocast(seed_overflow, F16)(w, x)
+    assert np.isinf(np.asarray(broken)).all()
+    fixed = mixprec.autocast(seed_overflow, F16, mixlist=report.suggested_mixlist)(w, x)
+    assert fixed.dtype == jnp.float32
+    np.testing.assert_array_equal(fixed, np.full((8, 8), 65536.0, np.float32))
+
+
+def test_seed_pow_is_safe_with_the_default_lists():
+    # `x ** 2` is `integer_pow`, which is on the default black list.
+    def f(w, x):
+        return (x @ w) ** 2
+
+    report = mixprec.diagnose(f, jnp.eye(8), jnp.full((8, 8), 256.0), policy=F16)
+    assert report.ok and report.first_nonfinite is None
+    [op] = report.find("integer_pow")
+    assert op.decision == "float32" and op.out_dtypes == ("float32",)
+    assert report.suggested_mixlist == {} and report.advice_verified is None
+
+
+def test_seed_underflow_1e5_squared_found_and_fixed():
+    w, x = jnp.eye(8), jnp.full((8, 8), 1e-5)
+    report = mixprec.diagnose(seed_underflow, w, x, policy=F16)
+    [op] = report.problems
+    assert op.primitive == "mul" and op.line == line_of(seed_underflow, "# <- under")
+    assert op.underflow == 64 and op.overflow == 0 and op.nonfinite == 0
+    assert op.local_rel_error == pytest.approx(1.0)
+    assert report.output_rel_error == (pytest.approx(1.0),)
+    assert report.first_nonfinite is None  # zeros are finite
+    assert report.suggested_mixlist == {"black-list": {"to-add": ["mul"]}}
+    assert report.advice_verified is True
+    broken = mixprec.autocast(seed_underflow, F16)(w, x)
+    assert (np.asarray(broken) == 0).all()
+    fixed = mixprec.autocast(seed_underflow, F16, mixlist=report.suggested_mixlist)(
+        w, x
+    )
+    assert fixed.dtype == jnp.float32
+    # 1e-5 is a float16 subnormal at the dot's input: a few 1e-3 of rounding.
+    assert rel_err(fixed, seed_underflow(w, x)) < tol(jnp.float16, grad=True)
+
+
+def test_bfloat16_has_the_range_float16_lacks():
+    report = mixprec.diagnose(
+        seed_overflow, jnp.eye(8), jnp.full((8, 8), 256.0), policy="mixed_bfloat16"
+    )
+    assert report.ok and report.low_dtype == "bfloat16"
+    assert report.find("square")[0].out_dtypes == ("bfloat16",)
+
+
+# ---------------------------------------------------------------- softmax
+
+
+def naive_softmax(q, k):
+    s = q @ k.T
+    e = jnp.exp(s)  # <- exp
+    return e / jnp.sum(e, axis=-1, keepdims=True)
+
+
+def test_softmax_without_max_subtraction_overflows_when_exp_runs_low():
+    # exp is on the default black list; a user moved it off "for speed".
+    q, k = jnp.full((8, 8), 1.5), jnp.ones((8, 8))  # scores 12: e**12 > 65504
+    user = {"black-list": {"to-remove": ["exp"]}}
+    report = mixprec.diagnose(naive_softmax, q, k, policy=F16, mixlist=user)
+    op = report.first_nonfinite_op
+    assert op is not None and op.primitive == "exp"
+    assert op.line == line_of(naive_softmax, "# <- exp")
+    assert op.overflow == 64 and op.out_dtypes == ("float16",)
+    # Black-listing exp also fixes the division downstream of it.
+    assert report.to_black_list == ("exp",)
+    assert report.suggested_mixlist == {"black-list": {"to-add": ["exp"]}}
+    assert report.advice_verified is True
+    ref = naive_softmax(q, k)
+    assert np.isnan(
+        np.asarray(mixprec.autocast(naive_softmax, F16, mixlist=user)(q, k))
+    ).all()
+    fixed = mixprec.autocast(naive_softmax, F16, mixlist=report.suggested_mixlist)(q, k)
+    assert fixed.dtype == jnp.float32
+    assert rel_err(fixed, ref) < tol(jnp.float16)
+    # With the default lists the same softmax is already safe.
+    assert mixprec.diagnose(naive_softmax, q, k, policy=F16).ok
+
+
+# ---------------------------------------------------------------- layer norm
+
+
+def layer_norm(w, x):
+    h = x @ w
+    mu = jnp.mean(h, axis=-1, keepdims=True)
+    d = h - mu
+    var = jnp.mean(d * d, axis=-1, keepdims=True)  # <- variance
+    return d * jax.lax.rsqrt(var + 1e-12)  # <- normalise
+
+
+def test_layer_norm_variance_underflow_found_and_fixed():
+    w = jnp.eye(16)
+    x = jax.random.normal(jax.random.key(0), (8, 16)) * 1e-4  # d*d ~ 1e-8
+    report = mixprec.diagnose(layer_norm, w, x, policy=F16)
+    root = report.problems[0]
+    assert root.primitive == "mul"
+    assert root.line == line_of(layer_norm, "# <- variance")
+    assert root.underflow > 0 and root.in_dtypes == ("float16", "float16")
+    # The zero variance turns into inf one line later (where it shows first).
+    first = report.first_nonfinite_op
+    assert first is not None and first.line == line_of(layer_norm, "# <- normalise")
+    assert first.overflow == 0 and first.nonfinite > 0  # propagated, not caused
+    assert report.to_black_list == ("mul",)
+    assert report.advice_verified is True
+    ref = layer_norm(w, x)
+    assert np.isinf(np.asarray(mixprec.autocast(layer_norm, F16)(w, x))).any()
+    fixed = mixprec.autocast(layer_norm, F16, mixlist=report.suggested_mixlist)(w, x)
+    assert fixed.dtype == jnp.float32
+    assert np.isfinite(np.asarray(fixed)).all()
+    assert rel_err(fixed, ref) < tol(jnp.float16, grad=True)
+
+
+# ---------------------------------------------------------------- gradients
+
+
+def mlp_loss(params, x):
+    h = x
+    for w in params:
+        h = jnp.tanh(h @ w)
+    return jnp.mean(h * h) * 1e-3  # <- loss
+
+
+def _mlp():
+    keys = jax.random.split(jax.random.key(0), 6)
+    params = [jax.random.normal(k, (32, 32)) * (0.5 / math.sqrt(32)) for k in keys]
+    x = jax.random.normal(jax.random.key(1), (32, 32))
+    return params, x
+
+
+def test_gradient_underflow_in_a_deep_mlp_and_the_loss_scale_that_fixes_it():
+    params, x = _mlp()
+    report = mixprec.diagnose(jax.grad(mlp_loss), params, x, policy=F16)
+    grad_problems = [op for op in report.problems if op.backward]
+    assert grad_problems and all(op.underflow > 0 for op in grad_problems)
+    worst = max(grad_problems, key=lambda op: op.underflow)
+    assert worst.line == line_of(mlp_loss, "# <- loss")
+    assert worst.out_dtypes == ("float16",)
+    # Gradients are not fixed by the black list: the advice is a loss scale.
+    assert report.to_black_list == ()
+    assert max(report.output_rel_error) > 0.5
+    scale = report.suggested_loss_scale
+    assert scale is not None and scale > 1 and math.log2(scale).is_integer()
+    assert report.gradient_range is not None
+    assert report.gradient_range[1] * scale < 65504
+
+    scaled = mixprec.diagnose(mlp_loss, params, x, policy=F16, loss_scale=scale)
+    assert scaled.loss_scale == scale
+    before = sum(op.underflow for op in report.ops if op.backward)
+    after = sum(op.underflow for op in scaled.ops if op.backward)
+    assert after < before / 100
+    assert max(scaled.output_rel_error) < tol(jnp.float16, grad=True)
+
+    # End to end through autocast: the same scale rescues the real gradients.
+    g32 = jax.grad(mlp_loss)(params, x)
+
+    def mixed_grads(s):
+        g = jax.grad(lambda p: mixprec.autocast(mlp_loss, F16)(p, x) * s)(params)
+        return [gi / s for gi in g]
+
+    unscaled = mixed_grads(1.0)
+    assert np.mean([float(jnp.mean(g == 0)) for g in unscaled]) > 0.5
+    for g, r in zip(mixed_grads(scale), g32, strict=True):
+        assert g.dtype == jnp.float32
+        assert rel_err(g, r) < tol(jnp.float16, grad=True)
+
+
+def test_bfloat16_needs_no_loss_scale():
+    params, x = _mlp()
+    report = mixprec.diagnose(jax.grad(mlp_loss), params, x, policy="mixed_bfloat16")
+    assert report.suggested_loss_scale is None
+    assert report.gradient_range is not None
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, math.inf, math.nan])
+def test_loss_scale_must_be_positive_and_finite(bad):
+    with pytest.raises(ValueError, match=r"`diagnose\(\.\.\., loss_scale=\.\.\.\)`"):
+        mixprec.diagnose(mlp_loss, *_mlp(), policy=F16, loss_scale=bad)
+
+
+# ---------------------------------------------------------------- higher-order ops
+
+
+def _sq(h):
+    return jnp.square(h)  # <- hop
+
+
+@jax.custom_jvp
+def _sq_jvp(h):
+    return _sq(h)
+
+
+_sq_jvp.defjvp(lambda p, t: (_sq_jvp(p[0]), 2 * p[0] * t[0]))
+
+
+@jax.custom_vjp
+def _sq_vjp(h):
+    return _sq(h)
+
+
+_sq_vjp.defvjp(lambda h: (_sq_vjp(h), h), lambda h, g: (2 * h * g,))
+
+
+def _via_scan(w, x):
+    def body(c, xi):
+        return c, _sq(xi @ w)
+
+    return jax.lax.scan(body, 0.0, x)[1]
+
+
+def _via_while(w, x):
+    def body(carry):
+        i, acc = carry
+        return i + 1, acc + _sq(x[i] @ w)
+
+    return jax.lax.while_loop(lambda c: c[0] < 3, body, (0, jnp.zeros((4, 8))))[1]
+
+
+def _via_cond(w, x):
+    return jax.lax.cond(x.sum() > 0, lambda v: _sq(v @ w), lambda v: v @ w, x[0])
+
+
+HOPS = {
+    "jit": (lambda w, x: jax.jit(_sq)(x[0] @ w), "jit(_sq)", 1),
+    "checkpoint": (lambda w, x: jax.checkpoint(_sq)(x[0] @ w), "checkpoint", 1),
+    "custom_jvp": (lambda w, x: _sq_jvp(x[0] @ w), "custom_jvp(_sq_jvp)", 1),
+    "custom_vjp": (lambda w, x: _sq_vjp(x[0] @ w), "custom_vjp(_sq_vjp)", 1),
+    "scan": (_via_scan, "scan/body", 3),
+    "while": (_via_while, "while/body", 3),
+    "cond": (_via_cond, "cond/branch1", 1),
+}
+
+
+@pytest.mark.parametrize("hop", sorted(HOPS))
+def test_problems_inside_higher_order_primitives(hop):
+    fn, path, calls = HOPS[hop]
+    w, x = jnp.eye(8), jnp.full((3, 4, 8), 300.0)
+    report = mixprec.diagnose(fn, w, x, policy=F16)
+    op = report.first_nonfinite_op
+    assert op is not None and op.primitive == "square"
+    assert op.line == line_of(_sq, "# <- hop")
+    assert path in op.path
+    assert op.calls == calls and op.overflow == 32 * calls
+    assert report.to_black_list == ("square",) and report.advice_verified
+
+
+def test_grad_through_custom_vjp_and_scan_is_diagnosed():
+    def loss(w, x):
+        return jnp.sum(_via_scan(w, x)) * 1e-9
+
+    w, x = jnp.eye(8), jnp.full((3, 4, 8), 1e-3)
+    report = mixprec.diagnose(jax.grad(loss), w, x, policy=F16)
+    backward = [op for op in report.ops if op.backward]
+    assert backward and any("scan" in op.path for op in backward)
+    assert report.suggested_loss_scale is not None
+
+
+# ---------------------------------------------------------------- report details
+
+
+def test_float32_itself_nonfinite_is_reported_separately():
+    def f(x):
+        return jnp.log(x) * 2.0
+
+    report = mixprec.diagnose(f, jnp.zeros((4,)), policy=F16)
+    assert report.first_f32_nonfinite is not None
+    assert report.ops[report.first_f32_nonfinite].primitive == "log"
+    assert report.first_nonfinite is None  # float16 is no worse than float32
+
+
+def test_report_table_json_and_str():
+    report = mixprec.diagnose(
+        seed_overflow, jnp.eye(8), jnp.full((8, 8), 256.0), policy=F16
+    )
+    d = json.loads(report.to_json())
+    assert d["policy"] == "p=f32,c=f16,o=f32" and d["low_dtype"] == "float16"
+    assert d["first_nonfinite"] == report.first_nonfinite
+    assert d["ops"][report.first_nonfinite]["problems"] == ["overflow"]
+    assert d["ops"][report.first_nonfinite]["line"] == line_of(
+        seed_overflow, "# <- overflow"
+    )
+    assert d["suggested_mixlist"] == {"black-list": {"to-add": ["square"]}}
+    plain = report.table(use_rich=False, only_problems=False)
+    assert "square" in plain and "dot_general" in plain
+    assert "first NaN/inf" in plain
+    rich = report.table(use_rich=True)
+    assert "square" in rich and "┃" in rich
+    text = str(report)
+    assert "first NaN/inf: square" in text and '"to-add": ["square"]' in text
+
+
+def test_alignment_lint_in_diagnosis():
+    def f(w, x):
+        return x @ w  # <- dot
+
+    report = mixprec.diagnose(f, jnp.ones((16, 10)), jnp.ones((8, 16)), policy=F16)
+    [issue] = report.alignment
+    assert issue.misaligned == ("N",) and issue.multiple == 8
+    assert issue.dtype == "float16"
+    assert f"test_diagnose.py:{line_of(f, '# <- dot')}" in issue.message()
+    aligned = mixprec.diagnose(f, jnp.ones((16, 16)), jnp.ones((8, 16)), policy=F16)
+    assert aligned.alignment == ()
+
+
+def test_cond_branch_divergence_is_noted():
+    def f(x):
+        h = x @ jnp.eye(4)
+        # float32 sees 1 + 1e-4 > 1; float16 rounds it to 1.
+        return jax.lax.cond(h[0, 0] > 1.0, jnp.sin, jnp.cos, h)
+
+    report = mixprec.diagnose(f, jnp.full((4, 4), 1.0001), policy=F16)
+    assert any("cond" in n and "branch" in n for n in report.notes)
+
+
+@pytest.mark.parametrize(
+    ("spec", "ops", "expected"),
+    [
+        (None, ["exp"], {"black-list": {"to-add": ["exp"]}}),
+        (None, [], {}),
+        (
+            {"black-list": {"to-remove": ["exp", "log"]}},
+            ["exp"],
+            {"black-list": {"to-remove": ["log"], "to-add": ["exp"]}},
+        ),
+        (
+            {"white-list": {"to-add": ["mul"]}, "black-list": {"to-add": ["tanh"]}},
+            ["mul", "mul"],
+            {"black-list": {"to-add": ["tanh", "mul"]}},
+        ),
+    ],
+)
+def test_merge_black_list(spec, ops, expected):
+    assert merge_black_list(spec, ops) == expected
+    if spec is not None:
+        assert spec != expected or not ops  # the input is not modified
+
+
+def test_merged_mixlist_is_accepted_by_autocast():
+    spec = merge_black_list({"black-list": {"to-remove": ["exp"]}}, ["exp", "square"])
+    y = mixprec.autocast(jnp.exp, F16, mixlist=spec)(jnp.ones(3))
+    assert y.dtype == jnp.float32
+
+
+def test_mixlist_as_json_text():
+    user = json.dumps({"black-list": {"to-remove": ["exp"]}})
+    q, k = jnp.full((8, 8), 1.5), jnp.ones((8, 8))
+    report = mixprec.diagnose(naive_softmax, q, k, policy=F16, mixlist=user)
+    assert report.mixlist == {"black-list": {"to-remove": ["exp"]}}
+    assert report.suggested_mixlist == {"black-list": {"to-add": ["exp"]}}
+
+
+def test_float32_scope_region_is_respected_inside_loops():
+    def f(w, x):
+        def body(c, xi):
+            h = xi @ w
+            with mixprec.float32_scope():
+                return c, jnp.square(h)  # <- scoped
+
+        return jax.lax.scan(body, 0.0, x)[1]
+
+    w, x = jnp.eye(8), jnp.full((3, 4, 8), 300.0)
+    report = mixprec.diagnose(f, w, x, policy=F16)
+    assert report.ok
+    [op] = report.find("square")
+    assert op.line == line_of(f, "# <- scoped") and op.path == "scan/body"
+    assert op.decision == "original" and op.out_dtypes == ("float32",)
+    assert "float32_scope" in op.reason and op.calls == 3
+
+
+def test_recognised_composite_is_one_op():
+    def f(w, x):
+        return jnp.var(x @ w, axis=-1)  # <- var
+
+    report = mixprec.diagnose(f, jnp.eye(8), jnp.full((4, 8), 3.0), policy=F16)
+    [var] = report.find("var")
+    assert var.line == line_of(f, "# <- var")
+    assert var.decision == "float32" and var.out_dtypes == ("float32",)
+    assert not report.find("square")  # its body is not split into ops
+
+
+def test_while_loop_comparison_is_capped_and_noted():
+    def f(x):
+        def body(c):
+            return c[0] + 1, c[1] @ jnp.eye(8)
+
+        return jax.lax.while_loop(lambda c: c[0] < 5, body, (0, x))[1]
+
+    report = mixprec.diagnose(f, jnp.ones((4, 8)), policy=F16, max_loop_steps=2)
+    [dot] = report.find("dot_general")
+    assert dot.calls == 2 and dot.path == "while/body"
+    assert any("first 2 iterations" in n for n in report.notes)
+    assert report.output_rel_error == (0.0,)  # both streams still finish
+
+
+def test_float32_policy_is_noted():
+    report = mixprec.diagnose(seed_overflow, jnp.eye(8), jnp.ones((8, 8)))
+    assert report.ok and report.low_dtype == "float32"
+    assert any("computes in float32" in n for n in report.notes)
+
+
+def test_prng_keys_and_integers_pass_through():
+    def f(w, x, key, n):
+        h = x @ w
+        keep = jax.random.bernoulli(key, 0.5, h.shape)
+        return jnp.where(keep, h / 0.5, 0.0), n + 1
+
+    args = (jnp.eye(8), jnp.ones((4, 8)), jax.random.key(0), jnp.int32(3))
+    report = mixprec.diagnose(f, *args, policy="mixed_bfloat16")
+    assert report.ok and report.output_rel_error == (0.0,)  # floating outputs
+    assert report.find("dot_general")[0].out_dtypes == ("bfloat16",)
+
+
+def test_abstract_arguments_are_rejected():
+    spec = jax.ShapeDtypeStruct((8, 8), jnp.float32)
+    with pytest.raises(TypeError, match="concrete values"):
+        mixprec.diagnose(seed_overflow, spec, spec, policy=F16)
