@@ -11,13 +11,16 @@ import jax
 import pytest
 
 
-
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 
 @pytest.fixture(autouse=True)
 def _dtype_promotion(request):
-    mode = "standard" if request.node.get_closest_marker("standard_promotion") else "strict"
+    mode = (
+        "standard"
+        if request.node.get_closest_marker("standard_promotion")
+        else "strict"
+    )
     with jax.numpy_dtype_promotion(mode):
         yield
 

@@ -14,7 +14,9 @@ def test_cast_tree_dtypes_and_values(dtype):
     out = mixprec.cast_tree(tree, dtype)
     assert out["a"].dtype == jnp.dtype(dtype) and out["b"][1].dtype == jnp.dtype(dtype)
     assert out["b"][0].dtype == jnp.int32
-    np.testing.assert_allclose(np.asarray(out["a"], np.float64), np.linspace(0, 1, 5), atol=4e-3)
+    np.testing.assert_allclose(
+        np.asarray(out["a"], np.float64), np.linspace(0, 1, 5), atol=4e-3
+    )
 
 
 def test_cast_tree_rejects_non_float_dtype():

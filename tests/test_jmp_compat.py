@@ -18,9 +18,17 @@ jmp_real = pytest.importorskip("jmp")
 pytestmark = pytest.mark.standard_promotion
 
 JMP_NAMES = [
-    "Policy", "get_policy", "half_dtype", "cast_to_full", "cast_to_half",
-    "LossScale", "NoOpLossScale", "StaticLossScale", "DynamicLossScale",
-    "all_finite", "select_tree",
+    "Policy",
+    "get_policy",
+    "half_dtype",
+    "cast_to_full",
+    "cast_to_half",
+    "LossScale",
+    "NoOpLossScale",
+    "StaticLossScale",
+    "DynamicLossScale",
+    "all_finite",
+    "select_tree",
 ]
 
 
@@ -32,9 +40,19 @@ def test_same_public_names():
 @pytest.mark.parametrize(
     "spec",
     [
-        "full", "half", "f32", "bf16", "float16", "bfloat16", "f64",
-        "p=f32,c=bf16,o=f32", "params=float32,compute=float16,output=float32",
-        "c=bf16", "p=f16", "p=f32,o=bf16", "compute=half",
+        "full",
+        "half",
+        "f32",
+        "bf16",
+        "float16",
+        "bfloat16",
+        "f64",
+        "p=f32,c=bf16,o=f32",
+        "params=float32,compute=float16,output=float32",
+        "c=bf16",
+        "p=f16",
+        "p=f32,o=bf16",
+        "compute=half",
     ],
 )
 def test_get_policy_matches_jmp(spec):
@@ -61,8 +79,9 @@ def test_policy_fields_compare_like_jmp():
 
 def test_casting_matches_jmp():
     tree = {"w": jnp.ones(3), "i": jnp.arange(3), "h": jnp.ones(2, jnp.float16)}
-    policy, theirs = mixprec.get_policy("p=f32,c=bf16,o=f16"), jmp_real.get_policy(
-        "p=f32,c=bf16,o=f16"
+    policy, theirs = (
+        mixprec.get_policy("p=f32,c=bf16,o=f16"),
+        jmp_real.get_policy("p=f32,c=bf16,o=f16"),
     )
     for method in ("cast_to_param", "cast_to_compute", "cast_to_output"):
         a, b = getattr(policy, method)(tree), getattr(theirs, method)(tree)
@@ -115,7 +134,8 @@ def test_all_finite_and_select_tree_match_jmp():
 
 def test_fixed_min_loss_scale_survives_tree_map():
     theirs = jax.tree.map(
-        lambda x: x, jmp_real.DynamicLossScale(jnp.float32(2.0), min_loss_scale=jnp.float32(0.5))
+        lambda x: x,
+        jmp_real.DynamicLossScale(jnp.float32(2.0), min_loss_scale=jnp.float32(0.5)),
     )
     assert float(theirs.min_loss_scale) == 1.0  # JMP's bug
     ours = jax.tree.map(lambda x: x, mixprec.DynamicLossScale(2.0, min_loss_scale=0.5))
@@ -124,8 +144,14 @@ def test_fixed_min_loss_scale_survives_tree_map():
 
 def test_fixed_str_of_numpy_dtype_policy():
     with pytest.raises(KeyError):
-        str(jmp_real.Policy(np.dtype("float32"), np.dtype("float16"), np.dtype("float32")))
-    assert str(mixprec.Policy(np.dtype("float32"), np.dtype("float16"), np.dtype("float32")))
+        str(
+            jmp_real.Policy(
+                np.dtype("float32"), np.dtype("float16"), np.dtype("float32")
+            )
+        )
+    assert str(
+        mixprec.Policy(np.dtype("float32"), np.dtype("float16"), np.dtype("float32"))
+    )
 
 
 def test_fixed_float16_loss_scale_adjust():
@@ -165,18 +191,14 @@ def test_haiku_set_policy_with_mixprec_policy():
         assert out.dtype == jnp.float32
         # Inside, both matmuls ran on bfloat16 inputs and parameters.
         jaxpr = jax.make_jaxpr(net.apply)(params, x)
-        dots = [
-            e for e in _all_eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"
-        ]
+        dots = [e for e in _all_eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
         assert len(dots) == 2
         for eqn in dots:
             assert [v.aval.dtype for v in eqn.invars] == [jnp.bfloat16] * 2
         grads = jax.grad(lambda p: jnp.sum(net.apply(p, x)))(params)
         assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
 
-        (w1, b1), (w2, b2) = [
-            (params[k]["w"], params[k]["b"]) for k in sorted(params)
-        ]
+        (w1, b1), (w2, b2) = [(params[k]["w"], params[k]["b"]) for k in sorted(params)]
         ref = jax.nn.relu(x @ w1 + b1[None]) @ w2 + b2[None]
         np.testing.assert_allclose(out, ref, rtol=5e-2, atol=5e-2)
     finally:

@@ -37,7 +37,9 @@ def reference_run(flags, *, init, period, growth, backoff, min_scale, max_scale,
         else:
             bad += 1
             if bad >= n_bad:
-                scale = max(np.float32(scale * np.float32(backoff)), np.float32(min_scale))
+                scale = max(
+                    np.float32(scale * np.float32(backoff)), np.float32(min_scale)
+                )
                 bad = 0
             counter = 0
         trace.append((float(scale), counter))
@@ -100,7 +102,13 @@ def test_state_machine_matches_reference_eager_and_jit(cfg, flags):
                 float(state.loss_scale) == cfg["init"]
             )
     # Static configuration survives every round trip.
-    for field in ("period", "factor", "min_loss_scale", "max_loss_scale", "growth_factor"):
+    for field in (
+        "period",
+        "factor",
+        "min_loss_scale",
+        "max_loss_scale",
+        "growth_factor",
+    ):
         assert getattr(jit_state, field) == getattr(ls, field)
 
 
@@ -127,8 +135,14 @@ def test_long_random_sequence_against_reference():
     flags[1000:1010] = [False] * 10  # a burst
     ls = DynamicLossScale(2.0**15, period=50, min_loss_scale=1.0)
     expected = reference_run(
-        flags, init=2.0**15, period=50, growth=2, backoff=0.5, min_scale=1.0,
-        max_scale=F32_MAX, n_bad=1,
+        flags,
+        init=2.0**15,
+        period=50,
+        growth=2,
+        backoff=0.5,
+        min_scale=1.0,
+        max_scale=F32_MAX,
+        n_bad=1,
     )
 
     def step(state, finite):
@@ -174,7 +188,11 @@ def test_nonfinite_before_backoff_tf1():
 
 def test_pytree_leaves_are_jmp_layout_and_config_survives():
     ls = DynamicLossScale(
-        jnp.float32(2**15), period=7, factor=4, min_loss_scale=0.5, max_loss_scale=2.0**20
+        jnp.float32(2**15),
+        period=7,
+        factor=4,
+        min_loss_scale=0.5,
+        max_loss_scale=2.0**20,
     )
     leaves, treedef = jax.tree.flatten(ls)
     assert [leaf.dtype for leaf in leaves] == [jnp.float32, jnp.int32]
@@ -182,9 +200,12 @@ def test_pytree_leaves_are_jmp_layout_and_config_survives():
     mapped = jax.tree.map(lambda x: x, ls)
     through_jit = jax.jit(lambda s: s)(ls)
     for other in (rebuilt, mapped, through_jit):
-        assert (other.period, other.factor, other.min_loss_scale, other.max_loss_scale) == (
-            7, 4, 0.5, 2.0**20
-        )
+        assert (
+            other.period,
+            other.factor,
+            other.min_loss_scale,
+            other.max_loss_scale,
+        ) == (7, 4, 0.5, 2.0**20)
     # JMP bug: min_loss_scale is reset to 1.0 after tree_map; ours is kept.
     assert mapped.adjust(False).adjust(False).min_loss_scale == 0.5
 
@@ -258,10 +279,18 @@ def test_noop_has_no_leaves_and_scale_one():
         (dict(loss_scale=1.0, factor=0.5), ValueError, r"factor=.*> 1"),
         (dict(loss_scale=1.0, min_loss_scale=0.0), ValueError, r"min_loss_scale"),
         (dict(loss_scale=1.0, growth_factor=1.0), ValueError, r"growth_factor"),
-        (dict(loss_scale=1.0, backoff_factor=1.5), ValueError, r"backoff_factor.*\(0, 1\)"),
+        (
+            dict(loss_scale=1.0, backoff_factor=1.5),
+            ValueError,
+            r"backoff_factor.*\(0, 1\)",
+        ),
         (dict(loss_scale=4.0, max_loss_scale=0.5), ValueError, r"max_loss_scale"),
         (dict(loss_scale=1.0, counter=-1), ValueError, r"counter"),
-        (dict(loss_scale=1.0, nonfinite_before_backoff=0), ValueError, r"nonfinite_before"),
+        (
+            dict(loss_scale=1.0, nonfinite_before_backoff=0),
+            ValueError,
+            r"nonfinite_before",
+        ),
     ],
 )
 def test_dynamic_bad_input(kwargs, exc, match):
@@ -357,3 +386,25 @@ def test_select_tree_errors():
         mixprec.select_tree(jnp.array(1), a, a)
     with pytest.raises(ValueError, match="same tree structure"):
         mixprec.select_tree(jnp.array(True), a, {"v": jnp.ones(2)})
+
+
+@pytest.mark.parametrize(
+    "ls",
+    [
+        DynamicLossScale(2.0**15, min_loss_scale=0.5),
+        DynamicLossScale(4.0, nonfinite_before_backoff=3),
+        StaticLossScale(2.0),
+    ],
+)
+def test_tree_map_to_non_arrays_round_trips(ls):
+    # Unflattening never validates: orbax and tree utilities put zeros, None
+    # or ShapeDtypeStructs in the leaves.
+    zeros = jax.tree.map(lambda x: 0, ls)
+    assert jax.tree.leaves(zeros) == [0] * len(jax.tree.leaves(ls))
+    shapes = jax.eval_shape(lambda s: s, ls)
+    assert type(shapes) is type(ls)
+    assert [x.dtype for x in jax.tree.leaves(shapes)] == [
+        x.dtype for x in jax.tree.leaves(ls)
+    ]
+    back = jax.tree.map(lambda _, x: x, zeros, ls)
+    assert back == ls or jax.tree.leaves(back) == jax.tree.leaves(ls)

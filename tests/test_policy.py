@@ -11,7 +11,9 @@ import mixprec
 from mixprec import Policy, get_policy
 
 
-F32, F16, BF16, F64 = (np.dtype(d) for d in ("float32", "float16", jnp.bfloat16, "float64"))
+F32, F16, BF16, F64 = (
+    np.dtype(d) for d in ("float32", "float16", jnp.bfloat16, "float64")
+)
 
 
 @pytest.mark.parametrize(
@@ -67,7 +69,8 @@ def test_get_policy_type_error():
 
 
 @pytest.mark.parametrize(
-    "dtype", [jnp.bfloat16, np.dtype(jnp.bfloat16), "bfloat16", "bf16", jnp.dtype("bfloat16")]
+    "dtype",
+    [jnp.bfloat16, np.dtype(jnp.bfloat16), "bfloat16", "bf16", jnp.dtype("bfloat16")],
 )
 def test_policy_normalises_dtypes(dtype):
     a = Policy(jnp.float32, dtype, np.float32)
@@ -103,9 +106,9 @@ def test_str_round_trips(policy):
 
 def test_str_of_numpy_dtypes_jmp_bug():
     # JMP's str(Policy(np.dtype(...))) raises KeyError.
-    assert str(Policy(np.dtype("float32"), np.dtype("float16"), np.dtype("float32"))) == (
-        "p=f32,c=f16,o=f32"
-    )
+    assert str(
+        Policy(np.dtype("float32"), np.dtype("float16"), np.dtype("float32"))
+    ) == ("p=f32,c=f16,o=f32")
 
 
 def test_policy_is_frozen_and_hashable():
@@ -140,11 +143,14 @@ def _mixed_tree():
     }
 
 
-@pytest.mark.parametrize("method,attr", [
-    ("cast_to_param", "param_dtype"),
-    ("cast_to_compute", "compute_dtype"),
-    ("cast_to_output", "output_dtype"),
-])
+@pytest.mark.parametrize(
+    "method,attr",
+    [
+        ("cast_to_param", "param_dtype"),
+        ("cast_to_compute", "compute_dtype"),
+        ("cast_to_output", "output_dtype"),
+    ],
+)
 def test_casts_only_floating_arrays(method, attr):
     policy = get_policy("p=bf16,c=f16,o=f32")
     tree = _mixed_tree()

@@ -1,5 +1,7 @@
 """A snapshot of the public names: adding or removing one is a deliberate act."""
 
+from types import ModuleType
+
 import mixprec
 
 
@@ -26,13 +28,27 @@ EXPECTED = {
     "register_rule",
     "float32_scope",
     "precision_scope",
+    "modify_mixlist",
+    "OpLists",
+    "default_op_lists",
     # training
+    "value_and_grad",
+    "grad",
     # numerics
+    "explain",
+    "diagnose",
+    "PrecisionReport",
+    "DiagnosisReport",
 }
 
 
 def test_public_names():
-    public = {n for n in dir(mixprec) if not n.startswith("_")}
+    # Submodules (mixprec.optax, ...) appear in dir() once imported: not names.
+    public = {
+        n
+        for n in dir(mixprec)
+        if not n.startswith("_") and not isinstance(getattr(mixprec, n), ModuleType)
+    }
     assert public == EXPECTED
 
 
@@ -40,3 +56,14 @@ def test_every_public_name_has_a_docstring_with_an_example():
     for name in EXPECTED:
         doc = getattr(mixprec, name).__doc__ or ""
         assert ">>>" in doc, f"mixprec.{name} has no runnable example"
+
+
+def test_api_docs_are_current():
+    import pathlib
+    import runpy
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    gen = runpy.run_path(str(root / "tools" / "gen_api_docs.py"))
+    assert (root / "docs" / "api.md").read_text() == gen["render"](), (
+        "docs/api.md is stale: run `python tools/gen_api_docs.py`"
+    )

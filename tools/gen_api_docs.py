@@ -30,7 +30,10 @@ def _public(module):
             for n, v in vars(module).items()
             if not n.startswith("_")
             and not inspect.ismodule(v)
-            and (module.__name__ == "mixprec" or getattr(v, "__module__", "") == module.__name__)
+            and (
+                module.__name__ == "mixprec"
+                or getattr(v, "__module__", "") == module.__name__
+            )
         ]
     return sorted(names, key=str.lower)
 
@@ -62,7 +65,13 @@ def render() -> str:
             lines += [doc.split("\n\n")[0], ""]
         for name in _public(module):
             obj = getattr(module, name)
-            kind = "class" if inspect.isclass(obj) else "function" if callable(obj) else "value"
+            kind = (
+                "class"
+                if inspect.isclass(obj)
+                else "function"
+                if callable(obj)
+                else "value"
+            )
             sig = _signature(obj) if kind != "value" else ""
             lines += [f"### `{modname}.{name}{sig}`", "", f"*{kind}*", ""]
             lines += [inspect.getdoc(obj) or "(no docstring)", ""]
@@ -71,12 +80,17 @@ def render() -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--check", action="store_true", help="fail if docs/api.md is stale")
+    parser.add_argument(
+        "--check", action="store_true", help="fail if docs/api.md is stale"
+    )
     args = parser.parse_args()
     text = render()
     if args.check:
         if not OUT.exists() or OUT.read_text() != text:
-            print("docs/api.md is stale: run `python tools/gen_api_docs.py`", file=sys.stderr)
+            print(
+                "docs/api.md is stale: run `python tools/gen_api_docs.py`",
+                file=sys.stderr,
+            )
             return 1
         return 0
     OUT.write_text(text)

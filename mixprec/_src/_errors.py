@@ -9,7 +9,7 @@ def suggest(name: str, choices: Iterable[str], *, n: int = 3) -> str:
     """Returns ``" Did you mean 'x'?"`` for close matches of ``name``, else ``""``.
 
     Examples:
-        >>> suggest("bfloat61", ["bfloat16", "float16"])
+        >>> suggest("bfloat61", ["bfloat16", "int8"])
         " Did you mean 'bfloat16'?"
     """
     matches = difflib.get_close_matches(name, list(choices), n=n, cutoff=0.6)

@@ -29,9 +29,9 @@ _F32_MAX = float(np.finfo(np.float32).max)
 
 
 def _is_host_value(x: Any) -> bool:
-    # Values we can check without touching a device. Values arriving through
-    # pytree unflattening (tracers, device arrays, sentinels) are not checked,
-    # so that `jit` outputs never force a device sync.
+    # Values we can check without touching a device. Device arrays and tracers
+    # (e.g. from `adjust`, which constructs a new state) are not checked, so
+    # that no training step forces a device sync.
     return isinstance(x, (int, float, np.ndarray, np.generic)) and not isinstance(
         x, bool
     )
@@ -85,7 +85,7 @@ def _check_finite_flag(grads_finite: ArrayLike, cls: str) -> jax.Array:
     return flag
 
 
-def _mul_keep_dtype(tree: T, factor: jax.Array) -> T:
+def _mul_keep_dtype(tree: T, factor: ArrayLike) -> T:
     """Multiplies floating leaves by ``factor`` and keeps each leaf's dtype.
 
     The product is formed in float32 (or wider), then rounded back once, so a
@@ -97,17 +97,17 @@ def _mul_keep_dtype(tree: T, factor: jax.Array) -> T:
         if not is_floating_array(x):
             return x
         wide = _wide(x.dtype)
-        return (x.astype(wide) * factor.astype(wide)).astype(x.dtype)
+        return (x.astype(wide) * jnp.asarray(factor, wide)).astype(x.dtype)
 
     return jax.tree.map(mul, tree)
 
 
-def _div_keep_dtype(tree: T, divisor: jax.Array) -> T:
+def _div_keep_dtype(tree: T, divisor: ArrayLike) -> T:
     def div(x):
         if not is_floating_array(x):
             return x
         wide = _wide(x.dtype)
-        return (x.astype(wide) / divisor.astype(wide)).astype(x.dtype)
+        return (x.astype(wide) / jnp.asarray(divisor, wide)).astype(x.dtype)
 
     return jax.tree.map(div, tree)
 
@@ -116,6 +116,41 @@ def _wide(dtype: Any) -> np.dtype:
     # Explicit, so that it also works under jax_numpy_dtype_promotion="strict".
     dtype = np.dtype(dtype)
     return dtype if dtype.itemsize >= 4 else np.dtype(np.float32)
+
+
+def _register_state(cls: type[T]) -> type[T]:
+    """Registers a frozen dataclass as a pytree, like ``register_dataclass``.
+
+    Fields marked ``metadata=dict(static=True)`` are static, the rest are
+    leaves; both lists come from ``dataclasses.fields``, so a new field can
+    never be silently dropped (JMP's hand-kept list loses ``min_loss_scale``).
+    Unlike ``register_dataclass``, unflattening does not call ``__init__``:
+    validation runs when users construct a state, never on ``tree_map`` or
+    ``jit`` outputs (which may hold tracers, sentinels or device arrays).
+    """
+    fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+    data = tuple(f.name for f in fields if not f.metadata.get("static", False))
+    meta = tuple(f.name for f in fields if f.metadata.get("static", False))
+
+    def flatten_with_keys(obj):
+        children = tuple((jax.tree_util.GetAttrKey(n), getattr(obj, n)) for n in data)
+        return children, tuple(getattr(obj, n) for n in meta)
+
+    def flatten(obj):
+        return tuple(getattr(obj, n) for n in data), tuple(
+            getattr(obj, n) for n in meta
+        )
+
+    def unflatten(aux, children):
+        obj = object.__new__(cls)
+        for name, value in zip(meta, aux, strict=True):
+            object.__setattr__(obj, name, value)
+        for name, value in zip(data, children, strict=True):
+            object.__setattr__(obj, name, value)
+        return obj
+
+    jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
+    return cls
 
 
 class LossScale(abc.ABC):
@@ -131,15 +166,17 @@ class LossScale(abc.ABC):
         True
     """
 
-    # The current scale, a float32 scalar (a field or a property).
-    loss_scale: jax.Array
+    # The current scale: a float32 scalar array once constructed (a field or
+    # a property); annotated ArrayLike so that `StaticLossScale(2.0**15)`
+    # type-checks in user code.
+    loss_scale: ArrayLike
 
     def scale(self, tree: T) -> T:
         """Multiplies the floating leaves of ``tree`` by the scale, keeping dtypes.
 
         Examples:
             >>> StaticLossScale(8.0).scale(jnp.float16(2.0))
-            Array(16, dtype=float16)
+            Array(16., dtype=float16)
         """
         return _mul_keep_dtype(tree, self.loss_scale)
 
@@ -157,7 +194,7 @@ class LossScale(abc.ABC):
         """Returns the loss scale for the next step."""
 
 
-@jax.tree_util.register_dataclass
+@_register_state
 @dataclasses.dataclass(frozen=True)
 class NoOpLossScale(LossScale):
     """A loss scale that does nothing: the scale is always 1.
@@ -194,7 +231,7 @@ class NoOpLossScale(LossScale):
         return self
 
 
-@jax.tree_util.register_dataclass
+@_register_state
 @dataclasses.dataclass(frozen=True)
 class StaticLossScale(LossScale):
     """A fixed loss scale.
@@ -210,7 +247,7 @@ class StaticLossScale(LossScale):
         [Array(1024., dtype=float32)]
     """
 
-    loss_scale: jax.Array
+    loss_scale: ArrayLike
 
     def __post_init__(self):
         scale = _as_scale(self.loss_scale, argname="loss_scale", cls="StaticLossScale")
@@ -232,7 +269,7 @@ def _static(default: Any) -> Any:
     return dataclasses.field(default=default, metadata=dict(static=True))
 
 
-@jax.tree_util.register_dataclass
+@_register_state
 @dataclasses.dataclass(frozen=True)
 class DynamicLossScale(LossScale):
     """A loss scale that adapts to the gradients, as in JMP, Keras and PyTorch.
@@ -278,8 +315,8 @@ class DynamicLossScale(LossScale):
         2
     """
 
-    loss_scale: jax.Array
-    counter: jax.Array = dataclasses.field(
+    loss_scale: ArrayLike
+    counter: ArrayLike = dataclasses.field(
         default_factory=lambda: np.zeros((), np.int32)
     )
     period: int = _static(2000)
@@ -289,7 +326,7 @@ class DynamicLossScale(LossScale):
     backoff_factor: float | None = _static(None)
     max_loss_scale: float | None = _static(None)
     nonfinite_before_backoff: int = _static(1)
-    nonfinite_counter: jax.Array | None = None
+    nonfinite_counter: ArrayLike | None = None
 
     def __post_init__(self):
         cls = "DynamicLossScale"
@@ -326,12 +363,7 @@ class DynamicLossScale(LossScale):
             integer=True,
             minimum=1,
         )
-        user_built = self.loss_scale is not None  # not a tree_map to None
-        if (
-            self.nonfinite_before_backoff > 1
-            and self.nonfinite_counter is None
-            and user_built
-        ):
+        if self.nonfinite_before_backoff > 1 and self.nonfinite_counter is None:
             set_("nonfinite_counter", np.zeros((), np.int32))
         if self.nonfinite_before_backoff == 1 and self.nonfinite_counter is not None:
             raise ValueError(
@@ -341,7 +373,9 @@ class DynamicLossScale(LossScale):
         if self.nonfinite_counter is not None:
             set_(
                 "nonfinite_counter",
-                _as_counter(self.nonfinite_counter, argname="nonfinite_counter", cls=cls),
+                _as_counter(
+                    self.nonfinite_counter, argname="nonfinite_counter", cls=cls
+                ),
             )
 
     @property
@@ -474,9 +508,7 @@ def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
         Array(True, dtype=bool)
     """
     flags = [
-        jnp.all(jnp.isfinite(x))
-        for x in jax.tree.leaves(tree)
-        if is_floating_array(x)
+        jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if is_floating_array(x)
     ]
     finite = jnp.all(jnp.stack(flags)) if flags else jnp.array(True)
     if axis_name is not None:

@@ -77,7 +77,7 @@ def _parse_dtype(name: str, *, spec: str, whole: bool = False) -> np.dtype:
     return np.dtype(jnp.dtype(value))
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class Policy:
     """The dtypes of a mixed-precision computation.
 
@@ -106,9 +106,18 @@ class Policy:
     compute_dtype: np.dtype
     output_dtype: np.dtype
 
-    def __post_init__(self):
-        for field in ("param_dtype", "compute_dtype", "output_dtype"):
-            value = getattr(self, field)
+    def __init__(
+        self,
+        param_dtype: DTypeLike,
+        compute_dtype: DTypeLike,
+        output_dtype: DTypeLike,
+    ):
+        given = dict(
+            param_dtype=param_dtype,
+            compute_dtype=compute_dtype,
+            output_dtype=output_dtype,
+        )
+        for field, value in given.items():
             if isinstance(value, str) and value.strip().lower() in _DTYPE_NAMES:
                 dtype = _parse_dtype(value, spec=value)
             else:
