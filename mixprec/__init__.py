@@ -9,7 +9,22 @@ from here, so ``import mixprec`` needs only JAX and NumPy.
 ``import mixprec as jmp`` keeps code written against DeepMind's JMP working.
 """
 
-import importlib.metadata
+from importlib import metadata as _metadata
+
+from ._src import _config  # noqa: F401  (reads MIXPREC_POLICY once)
+
+# --- autocast -----------------------------------------------------------------
+from ._src.autocast.api import autocast as autocast
+from ._src.autocast.mixlist import modify_mixlist as modify_mixlist
+from ._src.autocast.op_lists import (
+    OpLists as OpLists,
+    default_op_lists as default_op_lists,
+)
+from ._src.autocast.regions import (
+    float32_scope as float32_scope,
+    precision_scope as precision_scope,
+)
+from ._src.autocast.rules import register_rule as register_rule
 
 # --- core: policies, casting, loss scaling -----------------------------------
 from ._src.casting import (
@@ -18,6 +33,16 @@ from ._src.casting import (
     cast_tree as cast_tree,
     half_dtype as half_dtype,
     is_floating_array as is_floating_array,
+)
+
+# --- numerics: explain and diagnose -------------------------------------------
+from ._src.diagnose import (
+    DiagnosisReport as DiagnosisReport,
+    diagnose as diagnose,
+)
+from ._src.explain import (
+    PrecisionReport as PrecisionReport,
+    explain as explain,
 )
 from ._src.loss_scale import (
     DynamicLossScale as DynamicLossScale,
@@ -34,9 +59,6 @@ from ._src.policy import (
     policy_scope as policy_scope,
     set_global_policy as set_global_policy,
 )
-from ._src import _config  # noqa: F401  (reads MIXPREC_POLICY once)
-
-# --- autocast -----------------------------------------------------------------
 
 # --- training: loss-scaled gradients ------------------------------------------
 from ._src.training import (
@@ -44,10 +66,8 @@ from ._src.training import (
     value_and_grad as value_and_grad,
 )
 
-# --- numerics: explain and diagnose -------------------------------------------
-
 
 try:
-    __version__ = importlib.metadata.version("mixprec")
-except importlib.metadata.PackageNotFoundError:  # running from a source tree
+    __version__ = _metadata.version("mixprec")
+except _metadata.PackageNotFoundError:  # running from a source tree
     __version__ = "0.0.0+unknown"
