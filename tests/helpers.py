@@ -63,3 +63,19 @@ def assert_trees_close(actual, reference, *, dtype, grad: bool = False) -> None:
         scale = max(np.max(np.abs(r)), 1e-30)
         err = np.max(np.abs(a - r)) / scale if a.size else 0.0
         assert err <= t, f"relative error {err:.3g} > tolerance {t:g} for {dtype}"
+
+
+BF16 = jnp.dtype(jnp.bfloat16)
+F16 = jnp.dtype(jnp.float16)
+F32 = jnp.dtype(jnp.float32)
+
+
+def iter_eqns(jaxpr):
+    """Every equation of a (closed) jaxpr, recursing into sub-jaxprs."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, tuple | list) else [v]:
+                if hasattr(sub, "eqns") or hasattr(sub, "jaxpr"):
+                    yield from iter_eqns(sub)

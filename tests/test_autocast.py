@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_tree_dtypes, assert_trees_close
+from helpers import BF16, F16, F32, assert_tree_dtypes, assert_trees_close, iter_eqns
 from jax import lax
 from jax.extend.core import Primitive
 
@@ -21,26 +21,10 @@ from mixprec._src.autocast.interpreter import (
 )
 
 
-BF16 = jnp.dtype(jnp.bfloat16)
-F16 = jnp.dtype(jnp.float16)
-F32 = jnp.dtype(jnp.float32)
-
-
-def _eqns(jaxpr):
-    """Every equation of a (closed) jaxpr, recursing into sub-jaxprs."""
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for v in eqn.params.values():
-            for sub in v if isinstance(v, tuple | list) else [v]:
-                if hasattr(sub, "eqns") or hasattr(sub, "jaxpr"):
-                    yield from _eqns(sub)
-
-
 def _dots(fn, *args):
     return [
         (tuple(str(v.aval.dtype) for v in e.invars), str(e.outvars[0].aval.dtype))
-        for e in _eqns(jax.make_jaxpr(fn)(*args))
+        for e in iter_eqns(jax.make_jaxpr(fn)(*args))
         if e.primitive.name == "dot_general"
     ]
 
@@ -53,7 +37,7 @@ def _signature(jaxpr):
             tuple(str(v.aval.dtype) for v in e.invars),
             tuple(str(v.aval.dtype) for v in e.outvars),
         )
-        for e in _eqns(jaxpr)
+        for e in iter_eqns(jaxpr)
     ]
 
 

@@ -5,32 +5,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_tree_dtypes, assert_trees_close
+from helpers import BF16, F32, assert_tree_dtypes, assert_trees_close, iter_eqns
 from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import mixprec
 
 
-BF16 = jnp.dtype(jnp.bfloat16)
-F16 = jnp.dtype(jnp.float16)
-F32 = jnp.dtype(jnp.float32)
-
 _K = jax.random.split(jax.random.key(7), 4)
 W = jax.random.normal(_K[0], (8, 8)) / np.sqrt(8)
 U = jax.random.normal(_K[1], (8, 8)) / np.sqrt(8)
 X = jax.random.normal(_K[2], (4, 8))
 XS = jax.random.normal(_K[3], (6, 4, 8))
-
-
-def _eqns(jaxpr):
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for v in eqn.params.values():
-            for sub in v if isinstance(v, tuple | list) else [v]:
-                if hasattr(sub, "eqns") or hasattr(sub, "jaxpr"):
-                    yield from _eqns(sub)
 
 
 def _prims(fn, *args):
@@ -40,7 +26,7 @@ def _prims(fn, *args):
             tuple(str(v.aval.dtype) for v in e.invars),
             tuple(str(v.aval.dtype) for v in e.outvars),
         )
-        for e in _eqns(jax.make_jaxpr(fn)(*args))
+        for e in iter_eqns(jax.make_jaxpr(fn)(*args))
     ]
 
 
@@ -76,7 +62,7 @@ def test_rnn_under_scan():
     # the carry keeps one dtype (float32, as written) across iterations
     scans = [
         e
-        for e in _eqns(jax.make_jaxpr(f)((W, U), XS, h0))
+        for e in iter_eqns(jax.make_jaxpr(f)((W, U), XS, h0))
         if e.primitive.name == "scan"
     ]
     body = scans[0].params["jaxpr"]
@@ -141,7 +127,7 @@ def test_while_loop_matmul_body_carry_dtype():
     g = mixprec.autocast(f, "mixed_bfloat16")
     assert_trees_close(g(X), f(X), dtype=BF16)
     assert _low_dots(g, X)
-    whiles = [e for e in _eqns(jax.make_jaxpr(g)(X)) if e.primitive.name == "while"]
+    whiles = [e for e in iter_eqns(jax.make_jaxpr(g)(X)) if e.primitive.name == "while"]
     body = whiles[0].params["body_jaxpr"]
     nb = whiles[0].params["body_nconsts"]
     assert [a.dtype for a in body.in_avals[nb:]] == [a.dtype for a in body.out_avals]
@@ -160,7 +146,9 @@ def test_cond_branches_agree():
         y = g(X, jnp.asarray(p))
         assert y.dtype == F32
         assert_trees_close(y, f(X, p), dtype=BF16)
-    conds = [e for e in _eqns(jax.make_jaxpr(g)(X, True)) if e.primitive.name == "cond"]
+    conds = [
+        e for e in iter_eqns(jax.make_jaxpr(g)(X, True)) if e.primitive.name == "cond"
+    ]
     outs = {tuple(a.dtype for a in br.out_avals) for br in conds[0].params["branches"]}
     assert len(outs) == 1
 
@@ -202,7 +190,7 @@ def test_checkpoint_policy_is_kept(policy):
 
     prims = [
         e
-        for e in _eqns(jax.make_jaxpr(mixprec.autocast(f, "mixed_bfloat16"))(X))
+        for e in iter_eqns(jax.make_jaxpr(mixprec.autocast(f, "mixed_bfloat16"))(X))
         if e.primitive.name == "remat2"
     ]
     assert prims and prims[0].params["policy"] is policy
@@ -342,11 +330,11 @@ def test_nested_jit_and_composites():
     assert _low_dots(g, X)  # the dot inside the named jit is lowered
     # log_softmax / _var are composites: every float op inside runs in float32
     jx = jax.make_jaxpr(g)(X)
-    for e in _eqns(jx):
+    for e in iter_eqns(jx):
         if e.primitive.name == "jit" and e.params["name"] in ("log_softmax", "_var"):
             inner = [
                 str(v.aval.dtype)
-                for ee in _eqns(e.params["jaxpr"])
+                for ee in iter_eqns(e.params["jaxpr"])
                 for v in ee.outvars
                 if jnp.issubdtype(v.aval.dtype, jnp.floating)
             ]

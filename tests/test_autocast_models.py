@@ -9,31 +9,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import assert_tree_dtypes, assert_trees_close
+from helpers import BF16, F16, F32, assert_tree_dtypes, assert_trees_close, iter_eqns
 from jax import lax
 
 import mixprec
 
 
-BF16 = jnp.dtype(jnp.bfloat16)
-F16 = jnp.dtype(jnp.float16)
-F32 = jnp.dtype(jnp.float32)
-
-
-def _eqns(jaxpr):
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for v in eqn.params.values():
-            for sub in v if isinstance(v, tuple | list) else [v]:
-                if hasattr(sub, "eqns") or hasattr(sub, "jaxpr"):
-                    yield from _eqns(sub)
-
-
 def _low_ops(fn, *args, name):
     return [
         e
-        for e in _eqns(jax.make_jaxpr(fn)(*args))
+        for e in iter_eqns(jax.make_jaxpr(fn)(*args))
         if e.primitive.name == name
         and all(v.aval.dtype in (BF16, F16) for v in e.invars)
     ]
@@ -92,7 +77,7 @@ def test_cnn_with_batch_norm():
     # batch-norm statistics run in float32
     rsqrt = [
         e
-        for e in _eqns(jax.make_jaxpr(f)(params, x, labels))
+        for e in iter_eqns(jax.make_jaxpr(f)(params, x, labels))
         if e.primitive.name == "rsqrt"
     ]
     assert rsqrt and all(e.outvars[0].aval.dtype == F32 for e in rsqrt)
@@ -157,7 +142,7 @@ def test_transformer_block():
     # attention einsums and projections are bf16; softmax's exp is float32
     assert len(_low_ops(f, params, x, key, name="dot_general")) >= 6
     jx = jax.make_jaxpr(f)(params, x, key)
-    exps = [e for e in _eqns(jx) if e.primitive.name == "exp"]
+    exps = [e for e in iter_eqns(jx) if e.primitive.name == "exp"]
     assert exps and all(e.invars[0].aval.dtype == F32 for e in exps)
 
 

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import iter_eqns
 
 import mixprec
 
@@ -191,7 +192,7 @@ def test_haiku_set_policy_with_mixprec_policy():
         assert out.dtype == jnp.float32
         # Inside, both matmuls ran on bfloat16 inputs and parameters.
         jaxpr = jax.make_jaxpr(net.apply)(params, x)
-        dots = [e for e in _all_eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
+        dots = [e for e in iter_eqns(jaxpr) if e.primitive.name == "dot_general"]
         assert len(dots) == 2
         for eqn in dots:
             assert [v.aval.dtype for v in eqn.invars] == [jnp.bfloat16] * 2
@@ -204,19 +205,3 @@ def test_haiku_set_policy_with_mixprec_policy():
     finally:
         hk.mixed_precision.clear_policy(hk.Linear)
         hk.mixed_precision.clear_policy(Net)
-
-
-def _all_eqns(jaxpr):
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for sub in _subjaxprs(eqn.params):
-            yield from _all_eqns(sub)
-
-
-def _subjaxprs(params):
-    for value in params.values():
-        for v in value if isinstance(value, (tuple, list)) else [value]:
-            if hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns"):
-                yield v.jaxpr
-            elif hasattr(v, "eqns"):
-                yield v
