@@ -1,0 +1,214 @@
+"""Progress bars and result tables for ``mixprec demo`` (rich), plus markdown/JSON.
+
+``rich`` is imported lazily by the functions that draw; the markdown and JSON
+writers need only the standard library.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import pathlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from .train import RunResult
+
+
+MiB = 1024.0 * 1024.0
+
+COLUMNS = (
+    "precision",
+    "eval loss",
+    "accuracy",
+    "ms/step",
+    "speed-up",
+    "XLA temp MiB",
+    "saved-for-bwd MiB",
+    "device peak MiB",
+    "skipped",
+    "loss scale",
+)
+_PEAK = COLUMNS.index("device peak MiB")
+
+
+def _mib(value: int | None) -> str:
+    return "n/a" if value is None else f"{value / MiB:.1f}"
+
+
+def _num(value: float, fmt: str) -> str:
+    return "n/a" if value is None or not math.isfinite(value) else format(value, fmt)
+
+
+def _percent(value: float) -> str:
+    return "n/a" if not math.isfinite(value) else f"{value * 100:.1f}%"
+
+
+def _scale(value: float | None, kind: str = "") -> str:
+    if value is None:
+        return "n/a"
+    if kind == "NoOpLossScale":
+        return "none"
+    exp = math.log2(value)
+    return f"2^{exp:.0f}" if exp.is_integer() else f"{value:.4g}"
+
+
+def rows(results: Sequence[RunResult]) -> list[list[str]]:
+    """Table rows for the runs of one workload; speed-ups are against its float32 run.
+
+    Examples:
+      >>> r = RunResult("digits", "float32", "float32", 10, step_times_s=[0.01] * 10)
+      >>> rows([r])[0][:5]
+      ['float32', 'n/a', 'n/a', '10.00', '1.00x']
+    """
+    base = next((r for r in results if r.precision == "float32" and not r.error), None)
+    out = []
+    for r in results:
+        name = r.precision
+        if r.error:
+            out.append([name, *(["-"] * (len(COLUMNS) - 2)), f"skipped: {r.error}"])
+            continue
+        speed = (
+            f"{base.median_step_s / r.median_step_s:.2f}x"
+            if base is not None and r.median_step_s > 0
+            else "n/a"
+        )
+        out.append(
+            [
+                name,
+                _num(r.eval_loss, ".4f"),
+                _percent(r.eval_accuracy),
+                _num(r.median_step_s * 1e3, ".2f"),
+                speed,
+                _mib(r.memory.get("temp_bytes")),
+                _mib(r.memory.get("residual_bytes")),
+                _mib(r.memory.get("device_peak_bytes")),
+                str(r.skipped_steps),
+                _scale(r.final_loss_scale, r.loss_scaling),
+            ]
+        )
+    return out
+
+
+def _columns(table: list[list[str]]) -> tuple[list[str], list[list[str]]]:
+    """Drops the device-peak column when no run has one (CPU)."""
+    if any(row[_PEAK] not in ("n/a", "-") for row in table):
+        return list(COLUMNS), table
+    keep = [i for i in range(len(COLUMNS)) if i != _PEAK]
+    return [COLUMNS[i] for i in keep], [[row[i] for i in keep] for row in table]
+
+
+def group_by_workload(results: Sequence[RunResult]) -> dict[str, list[RunResult]]:
+    groups: dict[str, list[RunResult]] = {}
+    for r in results:
+        groups.setdefault(r.workload, []).append(r)
+    return groups
+
+
+def markdown(
+    results: Sequence[RunResult], titles: dict[str, str], meta: dict[str, Any]
+) -> str:
+    """The tables as GitHub markdown, one per workload, with the run's metadata.
+
+    Examples:
+      >>> r = RunResult("digits", "float32", "float32", 10, step_times_s=[0.01] * 10)
+      >>> print(markdown([r], {"digits": "MLP"}, {"device": "cpu"}).splitlines()[0])
+      # mixprec demo
+    """
+    lines = ["# mixprec demo", ""]
+    lines += [f"- {k}: {v}" for k, v in meta.items()]
+    for name, group in group_by_workload(results).items():
+        lines += ["", f"## {name}: {titles.get(name, '')}".rstrip(), ""]
+        mechs = sorted({r.mechanism for r in group} - {"float32"})
+        if mechs:
+            lines += [f"mixed precision via: {', '.join(mechs)}", ""]
+        cols, table = _columns(rows(group))
+        lines.append("| " + " | ".join(cols) + " |")
+        lines.append("|" + "---|" * len(cols))
+        lines += ["| " + " | ".join(row) + " |" for row in table]
+    lines += ["", NOTES]
+    return "\n".join(lines) + "\n"
+
+
+NOTES = (
+    "ms/step: median over 3 interleaved timing rounds (up to 10 steps of every "
+    "precision per round, after training; compilation not counted). speed-up: "
+    "float32's ms/step / this run's. "
+    "XLA temp: temporary buffers of the compiled training step "
+    "(`compiled.memory_analysis()`). saved-for-bwd: bytes the forward pass keeps "
+    "for the backward pass. device peak (GPU only): the backend's peak bytes in "
+    "use, a process-wide high-water mark. skipped: steps whose gradients were not "
+    "finite (update skipped, loss scale backed off). loss scale: the final scale "
+    "(dynamic for mixed_float16)."
+)
+
+
+def write_json(
+    path: pathlib.Path, results: Sequence[RunResult], meta: dict[str, Any]
+) -> None:
+    payload = {"meta": meta, "runs": [r.to_dict() for r in results]}
+    path.write_text(json.dumps(payload, indent=2, allow_nan=True) + "\n")
+
+
+def print_tables(
+    results: Sequence[RunResult], titles: dict[str, str], *, console: Any = None
+) -> None:
+    """Prints one rich table per workload."""
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    for name, group in group_by_workload(results).items():
+        mechs = sorted({r.mechanism for r in group} - {"float32"})
+        title = f"{name}: {titles.get(name, '')}"
+        if mechs:
+            title += f"\nmixed precision via: {', '.join(mechs)}"
+        table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
+        cols, body = _columns(rows(group))
+        for i, col in enumerate(cols):
+            table.add_column(col, justify="left" if i == 0 else "right", no_wrap=i == 0)
+        for row in body:
+            table.add_row(*row)
+        console.print(table)
+
+
+class Progress:
+    """One rich progress bar per run, or nothing when ``enabled`` is false."""
+
+    def __init__(self, *, enabled: bool = True, console: Any = None):
+        self.enabled = enabled
+        self._console = console
+        self._progress: Any = None
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[Progress]:
+        if not self.enabled:
+            yield self
+            return
+        from rich import progress as rp
+
+        self._progress = rp.Progress(
+            rp.TextColumn("{task.description:<34}"),
+            rp.BarColumn(),
+            rp.MofNCompleteColumn(),
+            rp.TextColumn("loss {task.fields[loss]:>7}"),
+            rp.TimeElapsedColumn(),
+            console=self._console,
+        )
+        with self._progress:
+            yield self
+        self._progress = None
+
+    def task(self, description: str, total: int) -> Callable[[int, float], None]:
+        """Adds a bar; returns the ``on_step(step, loss)`` callback that advances it."""
+        if self._progress is None:
+            return lambda step, loss: None
+        progress = self._progress
+        task_id = progress.add_task(description, total=total, loss="   -")
+
+        def on_step(step: int, loss: float) -> None:
+            progress.update(task_id, completed=step + 1, loss=f"{loss:.4f}")
+
+        return on_step

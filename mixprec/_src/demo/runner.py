@@ -1,0 +1,159 @@
+"""``mixprec demo``: run the workloads, print the tables, write JSON, markdown, PNG."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pathlib
+import platform
+import time
+from collections.abc import Sequence
+from typing import Any
+
+
+class DemoError(Exception):
+    """A user-facing error of the demo (bad combination of options, ...)."""
+
+
+def _meta(
+    size: str, mechanism: str, seed: int, loss_scale_period: int
+) -> dict[str, Any]:
+    import jax
+
+    import mixprec
+
+    dev = jax.devices()[0]
+    return {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "device": f"{dev.platform}: {getattr(dev, 'device_kind', '')}".rstrip(": "),
+        "cpu cores": os.cpu_count(),
+        "machine": platform.machine(),
+        "jax": jax.__version__,
+        "mixprec": mixprec.__version__,
+        "size": size,
+        "mechanism": mechanism,
+        "seed": seed,
+        "loss scale (mixed_float16)": (
+            f"dynamic, initial 2^15, x2 after {loss_scale_period} finite steps, "
+            "/2 on inf/NaN"
+        ),
+    }
+
+
+def run_demo(
+    *,
+    workloads: Sequence[str],
+    precisions: Sequence[str],
+    steps: int | None = None,
+    size: str = "auto",
+    batch_size: int | None = None,
+    mechanism: str = "auto",
+    out: str | os.PathLike[str] = "mixprec-out/demo",
+    loss_scale_period: int = 100,
+    seed: int = 0,
+    plot: bool = True,
+    progress: bool = True,
+    console: Any = None,
+) -> int:
+    """Runs the demo; returns 0 if every run finished, 1 if any run failed.
+
+    Args:
+      workloads: names from ``train.WORKLOADS``.
+      precisions: names from ``train.PRECISIONS``; float32 is run first.
+      steps: training steps per run (per-workload defaults when ``None``).
+      size: ``"auto"``, ``"small"`` or ``"full"``.
+      batch_size: overrides the per-size batch size.
+      mechanism: ``"auto"``, ``"autocast"`` or ``"manual"``.
+      out: output folder (created).
+      loss_scale_period: growth period of the dynamic loss scale.
+      seed: seeds parameters and data order (the same for every precision).
+      plot: write ``demo.png``.
+      progress: show progress bars (on stderr).
+      console: a ``rich.console.Console`` for the tables (stdout by default).
+    """
+    from rich.console import Console
+
+    from . import report, train as train_lib
+
+    if console is None:
+        console = Console()
+        if not console.is_terminal:  # piped or captured: don't squeeze the tables
+            console = Console(width=max(console.width, 120))
+    err_console = Console(stderr=True)
+    t_start = time.perf_counter()
+    out_dir = pathlib.Path(out)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DemoError(f"cannot create the output folder {str(out_dir)!r}: {e}") from e
+
+    have_autocast = train_lib.autocast_available()
+    if mechanism == "autocast" and not have_autocast:
+        raise DemoError(
+            "`--mechanism autocast` needs `mixprec.autocast`, which this build does "
+            "not have; use `--mechanism manual`."
+        )
+    mech = (
+        ("autocast" if have_autocast else "manual")
+        if mechanism == "auto"
+        else mechanism
+    )
+    order = [p for p in train_lib.PRECISIONS if p in precisions]
+    size_name = train_lib.resolve_size(size)
+    meta = _meta(size_name, mech, seed, loss_scale_period)
+
+    results: list[train_lib.RunResult] = []
+    titles: dict[str, str] = {}
+    reporter = report.Progress(enabled=progress, console=err_console)
+    for name in workloads:
+        err_console.print(
+            f"[bold]{name}[/bold]: loading data and building the model ..."
+        )
+        try:
+            workload = train_lib.make_workload(
+                name, size=size_name, batch_size=batch_size
+            )
+        except ValueError as e:
+            raise DemoError(str(e)) from e
+        titles[name] = workload.title
+        err_console.print(f"  {workload.title}")
+        n_steps = steps if steps is not None else workload.steps
+        with reporter.session():
+            for precision in order:
+                on_step = reporter.task(f"{name} {precision}", n_steps)
+                try:
+                    result = train_lib.train(
+                        workload,
+                        precision,
+                        mechanism=mech,
+                        steps=n_steps,
+                        seed=seed,
+                        loss_scale_period=loss_scale_period,
+                        on_step=on_step,
+                        keep=True,
+                    )
+                except NotImplementedError as e:
+                    result = train_lib.RunResult(name, precision, mech, n_steps)
+                    result.error = str(e)
+                results.append(result)
+        # Fair speed-ups: re-time this workload's runs in interleaved rounds.
+        err_console.print(f"  timing {name}: 3 interleaved rounds ...")
+        train_lib.time_interleaved([r for r in results if r.workload == name])
+
+    meta["wall time (s)"] = round(time.perf_counter() - t_start, 1)
+    report.write_json(out_dir / "results.json", results, meta)
+    (out_dir / "results.md").write_text(report.markdown(results, titles, meta))
+    png = None
+    if plot:
+        from . import plot as plot_lib
+
+        png = plot_lib.save_figure(results, out_dir / "demo.png", titles=titles)
+    report.print_tables(results, titles, console=console)
+    console.print(report.NOTES, style="dim")
+    console.print(
+        f"wrote {out_dir / 'results.md'}, {out_dir / 'results.json'}"
+        + (f", {png}" if png else "")
+        + f" in {meta['wall time (s)']:.0f} s"
+    )
+    failed = [r for r in results if r.error]
+    return 1 if failed else 0
