@@ -7,13 +7,17 @@ live in their own public modules (``mixprec.optax``, ``mixprec.flax``,
 from here, so ``import mixprec`` needs only JAX and NumPy.
 
 ``import mixprec as jmp`` keeps code written against DeepMind's JMP working.
+
+Names by concern: policies and casting (``Policy``, ``get_policy``,
+``policy_scope``, ``cast_tree``, ...), loss scaling (``DynamicLossScale``,
+``all_finite``, ...), autocast (``autocast``, ``float32_scope``,
+``modify_mixlist``, ``register_rule``, ...), training (``value_and_grad``,
+``grad``), and numerics (``explain``, ``diagnose``).
 """
 
 from importlib import metadata as _metadata
 
 from ._src import _config  # noqa: F401  (reads MIXPREC_POLICY once)
-
-# --- autocast -----------------------------------------------------------------
 from ._src.autocast.api import autocast as autocast
 from ._src.autocast.mixlist import modify_mixlist as modify_mixlist
 from ._src.autocast.op_lists import (
@@ -25,8 +29,6 @@ from ._src.autocast.regions import (
     precision_scope as precision_scope,
 )
 from ._src.autocast.rules import register_rule as register_rule
-
-# --- core: policies, casting, loss scaling -----------------------------------
 from ._src.casting import (
     cast_to_full as cast_to_full,
     cast_to_half as cast_to_half,
@@ -34,8 +36,6 @@ from ._src.casting import (
     half_dtype as half_dtype,
     is_floating_array as is_floating_array,
 )
-
-# --- numerics: explain and diagnose -------------------------------------------
 from ._src.diagnose import (
     DiagnosisReport as DiagnosisReport,
     diagnose as diagnose,
@@ -59,8 +59,6 @@ from ._src.policy import (
     policy_scope as policy_scope,
     set_global_policy as set_global_policy,
 )
-
-# --- training: loss-scaled gradients ------------------------------------------
 from ._src.training import (
     grad as grad,
     value_and_grad as value_and_grad,
