@@ -13,7 +13,7 @@ import pytest
 from jax import lax
 
 from mixprec._src.autocast import dots
-from tests.helpers import assert_tree_dtypes, assert_trees_close, tol
+from tests.helpers import assert_tree_dtypes, assert_trees_close
 
 
 BF16 = jnp.dtype(jnp.bfloat16)
@@ -73,7 +73,8 @@ def dot_dtypes(hlo_text):
                 types[m.group(1)] = m.group(2)
         for line in block.splitlines():
             m = re.match(
-                r"\s*(?:ROOT )?%[\w.\-]+ = (\w+)\[[^=]*\bdot\(%([\w.\-]+), %([\w.\-]+)\)",
+                r"\s*(?:ROOT )?%[\w.\-]+ = (\w+)\[[^=]*\bdot\("
+                r"%([\w.\-]+), %([\w.\-]+)\)",
                 line,
             )
             if m:
@@ -116,8 +117,24 @@ def test_dot_output_dtype(out_dtype):
 def test_dot_accepts_any_floating_input_dtype(in_dtype):
     lhs, rhs = _inputs((8, 16), (16, 8), dtype=in_dtype)
     out = _dot(lhs, rhs, (((1,), (0,)), ((), ())))
-    ref = lax.dot_general(_rounded(lhs, BF16), _rounded(rhs, BF16), (((1,), (0,)), ((), ())))
+    ref = lax.dot_general(
+        _rounded(lhs, BF16), _rounded(rhs, BF16), (((1,), (0,)), ((), ()))
+    )
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arg", ["low_dtype", "out_dtype"])
+def test_dot_rejects_non_floating_dtypes(arg):
+    x = jnp.ones((4, 4))
+    kw = {"low_dtype": BF16, "out_dtype": F32, arg: jnp.int32}
+    with pytest.raises(ValueError, match=rf"`dot_general\(\.\.\., {arg}=\.\.\.\)`"):
+        dots.dot_general(
+            x,
+            x,
+            dimension_numbers=(((1,), (0,)), ((), ())),
+            low_dtype=kw["low_dtype"],
+            out_dtype=kw["out_dtype"],
+        )
 
 
 def test_dot_rejects_integer_operands():
@@ -133,8 +150,10 @@ def test_dot_rejects_integer_operands():
 def test_dot_gradients_values_and_dtypes(case):
     lhs_shape, rhs_shape, dn = DOT_CASES[case]
     lhs, rhs = _inputs(lhs_shape, rhs_shape, seed=1)
-    w = jax.random.normal(jax.random.key(2), jax.eval_shape(
-        lambda a, b: lax.dot_general(a, b, dn), lhs, rhs).shape)
+    w = jax.random.normal(
+        jax.random.key(2),
+        jax.eval_shape(lambda a, b: lax.dot_general(a, b, dn), lhs, rhs).shape,
+    )
 
     def loss(a, b):
         return jnp.sum(_dot(a, b, dn) * w)
@@ -302,6 +321,45 @@ def test_plain_bf16_weight_gradient_dot_is_upcast_by_xla():
     assert dot_dtypes(compiled.as_text()) == [("f32", "f32", "f32")]
 
 
+@pytest.mark.skipif(not ON_CPU, reason="XLA:CPU formulation")
+def test_autocast_mlp_step_runs_every_dot_in_bf16():
+    import mixprec
+
+    x, w1 = _inputs((64, 128), (128, 96))
+    _, w2 = _inputs((64, 96), (96, 80), seed=4)
+
+    def loss(params, x):
+        w1, w2 = params
+        return jnp.mean((jax.nn.relu(x @ w1) @ w2) ** 2)
+
+    step = jax.jit(jax.grad(mixprec.autocast(loss, "mixed_bfloat16")))
+    found = dot_dtypes(step.lower((w1, w2), x).compile().as_text())
+    assert len(found) == 5, found
+    assert all(d == ("bf16", "bf16", "f32") for d in found), found
+    grads = step((w1, w2), x)
+    ref = jax.grad(loss)((w1, w2), x)
+    assert_tree_dtypes(grads, (F32, F32))
+    assert_trees_close(grads, ref, dtype=BF16, grad=True)
+
+
+def test_autocast_transposed_dot_result_values():
+    # `(x @ w).T` crashes plain bf16 x bf16 -> f32 dots (see below); under
+    # autocast the result is cast to bf16 first, and values and grads hold.
+    import mixprec
+
+    x, w = _inputs((16, 24), (24, 32))
+
+    def f(x, w):
+        return jnp.sum(jnp.sin((x @ w).T) * jnp.arange(16.0)[None, :])
+
+    got = jax.jit(jax.value_and_grad(mixprec.autocast(f, "mixed_bfloat16"), (0, 1)))(
+        x, w
+    )
+    ref = jax.value_and_grad(f, (0, 1))(x, w)
+    assert_tree_dtypes(got, ref)
+    assert_trees_close(got[1], ref[1], dtype=BF16, grad=True)
+
+
 # Layouts that crash plain bf16 x bf16 -> f32 dots in jaxlib 0.10.2 with
 # "Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32".
 _BUG_CASES = {
@@ -334,12 +392,11 @@ def test_dotthunk_bug_workaround(case, transform):
     b = jax.random.normal(jax.random.key(7), (16, 32))
 
     def run(dot):
-        f = lambda a, b: jnp.sum(jnp.sin(build(dot, a, b)))  # noqa: E731
-        if transform == "grad":
-            f = jax.grad(f, (0, 1))
-        elif transform == "vmap":
-            f = jax.vmap(jax.grad(f, (0, 1)), (0, None))
-            return jax.jit(f)(jnp.stack([a, -a]), b)
+        if transform == "jit":
+            return jax.jit(lambda a, b: build(dot, a, b))(a, b)
+        f = jax.grad(lambda a, b: jnp.sum(jnp.sin(build(dot, a, b))), (0, 1))
+        if transform == "vmap":
+            return jax.jit(jax.vmap(f, (0, None)))(jnp.stack([a, -a]), b)
         return jax.jit(f)(a, b)
 
     ref = run(lambda a, b, dn: lax.dot_general(a, b, dn, precision="highest"))
@@ -360,6 +417,28 @@ def test_dotthunk_bug_still_reproduces_with_plain_jax():
         assert "DotThunk" in str(e)
     else:
         pytest.skip("this jaxlib runs transposed bf16 x bf16 -> f32 dots")
+
+
+def test_explicit_sharding_keeps_jax_formulation():
+    devices = jax.devices()
+    if len(devices) < 2:
+        pytest.skip("needs several devices")
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Explicit,))
+    dn = (((2,), (0,)), ((), ()))
+    x, w = _inputs((4, 8, 16), (16, 12))
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, NamedSharding(mesh, PartitionSpec("data")))
+        grads = jax.jit(jax.grad(lambda a, b: jnp.sum(_dot(a, b, dn) ** 2), (0, 1)))(
+            xs, w
+        )
+    ref = jax.grad(
+        lambda a, b: jnp.sum(lax.dot_general(a, b, dn, precision="highest") ** 2),
+        (0, 1),
+    )(x, w)
+    assert_tree_dtypes(grads, (F32, F32))
+    assert_trees_close(grads, ref, dtype=BF16, grad=True)
 
 
 # --- other backends' formulation (checked structurally on any backend) -------
@@ -433,9 +512,7 @@ def test_conv_values_dtypes_and_gradients(case):
     params = _conv_params(x, k, c)
 
     def f(a, b):
-        return dots.conv_general_dilated(
-            a, b, low_dtype=BF16, out_dtype=F32, **params
-        )
+        return dots.conv_general_dilated(a, b, low_dtype=BF16, out_dtype=F32, **params)
 
     out = jax.jit(f)(x, k)
     assert out.dtype == F32
@@ -487,6 +564,13 @@ def test_benchmark_quick_mode_writes_json(tmp_path):
             os.path.join(root, "benchmarks", "bench_autocast.py"),
             "--quick",
             "--no-torch",
+            "--no-compile",
+            "--variants",
+            "float32,dots_bf16,autocast",
+            "--repeats",
+            "1",
+            "--warmup",
+            "1",
             "--out",
             str(out),
         ],
@@ -499,8 +583,18 @@ def test_benchmark_quick_mode_writes_json(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["config"]["quick"] is True
-    names = {row["variant"] for row in data["results"]}
-    assert {"float32", "dots_bf16"} <= names
-    for row in data["results"]:
+    rows = data["results"]
+    assert {(r["workload"], r["variant"]) for r in rows} >= {
+        ("mlp", "float32"),
+        ("mlp", "dots_bf16"),
+        ("lm", "float32"),
+        ("lm", "dots_bf16"),
+    }
+    for row in rows:
         assert row["median_s"] > 0
-    assert "speedup_vs_float32" in data["results"][0]
+        assert row["speedup_vs_float32"] > 0
+    memory = {r["variant"]: r for r in data["memory"]}
+    assert memory["float32"]["residual_ratio"] == 1.0
+    # bf16 residuals: the dots save bf16 copies of their operands.
+    assert memory["dots_bf16"]["residual_bytes"] < memory["float32"]["residual_bytes"]
+    assert out.with_suffix(".md").read_text().count("|") > 10

@@ -9,25 +9,37 @@ How the product is computed depends on the backend, because what is fast
 differs (see ``docs/performance.md`` for the measurements):
 
 * **CPU** (XLA:CPU, jaxlib 0.10.x). Only ``bfloat16 x bfloat16 -> float32``
-  runs natively (oneDNN/YNNPACK with AVX-512 BF16); ``bfloat16 -> bfloat16``
-  dots are silently converted to float32 dots. So the forward dot is
-  ``bf16 x bf16 -> f32`` and a ``jax.custom_vjp`` makes the two cotangent dots
-  of the backward pass ``bf16 x bf16 -> f32`` as well (JAX's own transpose rule
-  would produce ``f32 x bf16`` dots that run in float32). Every dot is first put
-  into a canonical layout (batch dims leading, lhs contraction trailing, rhs
-  contraction leading after the batch dims), which is both the layout the fast
-  kernels want and the workaround for the jaxlib 0.10.2 bug
-  ``Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32``.
-  ``float16`` is never native on CPU: the inputs are rounded to float16 (so the
-  numerics are those of a float16 GPU dot with float32 accumulation) and the
-  product runs in float32. It is correct, not fast.
+  runs natively (YNNPACK with AVX-512 BF16), and only for row-major operands
+  with the lhs contraction trailing; everything else, including
+  ``bfloat16 -> bfloat16`` dots and the weight-gradient dot ``x^T g``, is
+  silently converted to a float32 dot. So every product here is written as one
+  canonical 2-D/3-D matmul ``(batch, m, k) x (batch, k, n)`` (or
+  ``(batch, n, k)``) with ``preferred_element_type=float32``, transposes it needs
+  are materialised as real row-major copies (a split-transpose-merge reshape
+  that XLA cannot turn into a layout change), and a ``jax.custom_vjp`` makes
+  the two cotangent dots of the backward pass canonical ``bf16 x bf16 -> f32``
+  matmuls as well, with the cotangent rounded to bfloat16 and bfloat16
+  residuals. Optimization barriers around each canonical dot keep XLA from
+  folding transposes back into it after it has chosen the bf16 kernel, which
+  is what triggers the jaxlib 0.10.2 bug ``Unsupported element type for
+  DotThunk::Execute: BF16 x BF16 = F32``. Matrix-vector and tiny products
+  (no bf16 kernel) are computed in float32 from the rounded inputs.
+  ``float16`` is never native on CPU: the inputs (and cotangents) are rounded
+  to float16 and the product runs in float32, so the numerics are those of a
+  float16 GPU dot with float32 accumulation. It is correct, not fast.
 * **GPU/TPU**. ``low x low -> low``: cuBLAS and the TPU MXU accumulate in
   float32 internally, and JAX's own transpose rules already give low-precision
   backward dots, so no custom derivative is needed.
 
 With ``forward_mode_ad=True`` no ``custom_vjp`` is used (a ``custom_vjp``
 function cannot be differentiated in forward mode), so ``jax.jvp`` and
-``jax.jacfwd`` work; reverse mode then uses JAX's transpose rules.
+``jax.jacfwd`` work; reverse mode then uses JAX's transpose rules, whose
+backward dots take a float32 cotangent and so run in float32 on CPU.
+
+Convolutions: XLA:CPU has no bf16 convolution kernel (a ``bf16`` convolution
+is converted to float32), so on CPU the inputs are rounded to ``low_dtype`` and
+the convolution accumulates in float32 (``preferred_element_type=float32``);
+on GPU/TPU it runs ``low x low -> low``. Both use JAX's derivative rules.
 """
 
 from __future__ import annotations
@@ -47,9 +59,12 @@ from jax.typing import ArrayLike, DTypeLike
 __all__ = ["conv_general_dilated", "dot_general"]
 
 _F32 = np.dtype(np.float32)
+_BF16 = np.dtype(jnp.bfloat16)
 
 # (lhs_contract, rhs_contract), (lhs_batch, rhs_batch), all tuples of ints.
-_DimNums = tuple[tuple[tuple[int, ...], tuple[int, ...]], tuple[tuple[int, ...], ...]]
+_DimNums = tuple[
+    tuple[tuple[int, ...], tuple[int, ...]], tuple[tuple[int, ...], tuple[int, ...]]
+]
 
 
 def _platform(platform: str | None) -> str:
@@ -58,8 +73,33 @@ def _platform(platform: str | None) -> str:
     return jax.default_backend()
 
 
+def _explicitly_sharded(*xs: jax.Array) -> bool:
+    """Whether any operand carries an explicit sharding (``AxisType.Explicit``)."""
+    for x in xs:
+        try:
+            spec = jax.typeof(x).sharding.spec
+        except (AttributeError, TypeError):
+            continue
+        if any(s is not None for s in spec):
+            return True
+    return False
+
+
 def _is_float(x: Any) -> bool:
     return jnp.issubdtype(jnp.result_type(x), jnp.floating)
+
+
+def _check_dtypes(
+    call: str, low_dtype: DTypeLike, out_dtype: DTypeLike
+) -> tuple[np.dtype, np.dtype]:
+    low, out = np.dtype(low_dtype), np.dtype(out_dtype)
+    for name, dt in (("low_dtype", low), ("out_dtype", out)):
+        if not jnp.issubdtype(dt, jnp.floating):
+            raise ValueError(
+                f"`{call}(..., {name}=...)` must be a floating dtype such as "
+                f"bfloat16, float16 or float32, got {dt}."
+            )
+    return low, out
 
 
 def _canon_dn(dimension_numbers: Any) -> _DimNums:
@@ -162,6 +202,7 @@ def _contract(
     out_labels: Sequence[int],
     precision: Any,
     acc_dtype: np.dtype,
+    native: bool = True,
 ) -> jax.Array:
     """An einsum of two operands as one canonical matmul, result in ``acc_dtype``.
 
@@ -190,17 +231,26 @@ def _contract(
         # The output wants b's free dimensions first: compute b . a.
         a, a_labels, b, b_labels = b, b_labels, a, a_labels
         a_free, b_free = b_free, a_free
+        if isinstance(precision, tuple):
+            precision = precision[::-1]
     mm_labels = [*batch, *a_free, *b_free]
     bshape = [sizes[lab] for lab in batch]
     mshape = [sizes[lab] for lab in a_free]
     nshape = [sizes[lab] for lab in b_free]
     m, n = math.prod(mshape), math.prod(nshape)
     k = math.prod(sizes[lab] for lab in contract)
-    if min(m, n) <= 1 or max(m, n, k) < _MIN_NATIVE_DIM:
-        # Matrix-vector and tiny products have no bf16 kernel on XLA:CPU (they
-        # run in float32 either way): skip the layout work and say so.
+    if not native or min(m, n) <= 1 or max(m, n, k) < _MIN_NATIVE_DIM:
+        # float16, matrix-vector and tiny products have no low-precision kernel
+        # on XLA:CPU (they run in float32 either way): skip the layout work.
         return _upcast_contract(
-            a, a_labels, b, b_labels, out_labels, batch, contract, precision,
+            a,
+            a_labels,
+            b,
+            b_labels,
+            out_labels,
+            batch,
+            contract,
+            precision,
             acc_dtype,
         )
     a_c = _materialized_transpose(
@@ -262,11 +312,12 @@ def _canonical_dot(
     dn: _DimNums,
     precision: Any,
     acc_dtype: np.dtype,
+    native: bool = True,
 ) -> jax.Array:
     """``lax.dot_general(lhs, rhs, dn)`` through :func:`_contract`."""
     lhs_labels, rhs_labels, out_labels = _dot_labels(lhs.ndim, rhs.ndim, dn)
     return _contract(
-        lhs, lhs_labels, rhs, rhs_labels, out_labels, precision, acc_dtype
+        lhs, lhs_labels, rhs, rhs_labels, out_labels, precision, acc_dtype, native
     )
 
 
@@ -277,15 +328,13 @@ def _canonical_dot_vjp(
     dn: _DimNums,
     precision: Any,
     acc_dtype: np.dtype,
+    native: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
     """Cotangents of ``lhs`` and ``rhs`` for the output cotangent ``g``."""
     lhs_labels, rhs_labels, out_labels = _dot_labels(lhs.ndim, rhs.ndim, dn)
-    d_lhs = _contract(
-        g, out_labels, rhs, rhs_labels, lhs_labels, precision, acc_dtype
-    )
-    d_rhs = _contract(
-        g, out_labels, lhs, lhs_labels, rhs_labels, precision, acc_dtype
-    )
+    args = (precision, acc_dtype, native)
+    d_lhs = _contract(g, out_labels, rhs, rhs_labels, lhs_labels, *args)
+    d_rhs = _contract(g, out_labels, lhs, lhs_labels, rhs_labels, *args)
     return d_lhs, d_rhs
 
 
@@ -304,14 +353,14 @@ def _cpu_dot(
     rhs_dtype: np.dtype,
 ) -> jax.Array:
     del lhs_dtype, rhs_dtype
-    res = _canonical_dot(lhs.astype(low), rhs.astype(low), dn, precision, _F32)
-    return res.astype(out)
+    lhs_l, rhs_l = lhs.astype(low), rhs.astype(low)
+    return _canonical_dot(lhs_l, rhs_l, dn, precision, _F32, low == _BF16).astype(out)
 
 
 def _cpu_dot_fwd(lhs, rhs, dn, precision, low, out, lhs_dtype, rhs_dtype):
     del lhs_dtype, rhs_dtype
     lhs_l, rhs_l = lhs.astype(low), rhs.astype(low)
-    res = _canonical_dot(lhs_l, rhs_l, dn, precision, _F32)
+    res = _canonical_dot(lhs_l, rhs_l, dn, precision, _F32, low == _BF16)
     return res.astype(out), (lhs_l, rhs_l)
 
 
@@ -319,7 +368,9 @@ def _cpu_dot_bwd(dn, precision, low, out, lhs_dtype, rhs_dtype, residuals, g):
     del out
     lhs_l, rhs_l = residuals
     g_l = g.astype(low)
-    d_lhs, d_rhs = _canonical_dot_vjp(g_l, lhs_l, rhs_l, dn, precision, _F32)
+    d_lhs, d_rhs = _canonical_dot_vjp(
+        g_l, lhs_l, rhs_l, dn, precision, _F32, low == _BF16
+    )
     return d_lhs.astype(lhs_dtype), d_rhs.astype(rhs_dtype)
 
 
@@ -352,8 +403,9 @@ def dot_general(
       dimension_numbers: as for ``jax.lax.dot_general``.
       precision: as for ``jax.lax.dot_general``.
       preferred_element_type: the original equation's parameter. It is not
-        used for floating operands: ``out_dtype`` decides the result dtype and
-        the accumulation is float32 on every backend.
+        used: ``out_dtype`` decides the result dtype, and the product itself
+        is float32 on CPU and ``low_dtype`` (accumulated in float32 by the
+        hardware) on GPU/TPU.
       low_dtype: the dtype the operands are rounded to (``bfloat16`` or
         ``float16``).
       out_dtype: the dtype of the result.
@@ -378,16 +430,17 @@ def dot_general(
     del preferred_element_type
     lhs = jnp.asarray(lhs)
     rhs = jnp.asarray(rhs)
-    low = np.dtype(low_dtype)
-    out = np.dtype(out_dtype)
+    low, out = _check_dtypes("dot_general", low_dtype, out_dtype)
     dn = _canon_dn(dimension_numbers)
     if not (_is_float(lhs) and _is_float(rhs)):
         raise TypeError(
             "`dot_general(lhs, rhs, ...)` expects floating operands, got "
             f"{lhs.dtype} and {rhs.dtype}."
         )
-    if out_sharding is not None:
-        # Sharded outputs: keep JAX's own formulation (no layout rewrites).
+    if out_sharding is not None or _explicitly_sharded(lhs, rhs):
+        # Explicit sharding: the reshapes of the canonical layout and the
+        # custom backward would need output shardings of their own, so keep
+        # JAX's formulation (and its sharding-aware transpose rules).
         res = lax.dot_general(
             lhs.astype(low),
             rhs.astype(low),
@@ -399,12 +452,11 @@ def dot_general(
         return res.astype(out)
     plat = _platform(platform)
     if plat != "cpu":
-        res = lax.dot_general(
-            lhs.astype(low), rhs.astype(low), dn, precision=precision
-        )
+        res = lax.dot_general(lhs.astype(low), rhs.astype(low), dn, precision=precision)
         return res.astype(out)
     if forward_mode_ad:
-        res = _canonical_dot(lhs.astype(low), rhs.astype(low), dn, precision, _F32)
+        lhs_l, rhs_l = lhs.astype(low), rhs.astype(low)
+        res = _canonical_dot(lhs_l, rhs_l, dn, precision, _F32, low == _BF16)
         return res.astype(out)
     return _cpu_dot(lhs, rhs, dn, precision, low, out, lhs.dtype, rhs.dtype)
 
@@ -461,8 +513,7 @@ def conv_general_dilated(
     del forward_mode_ad
     lhs = jnp.asarray(lhs)
     rhs = jnp.asarray(rhs)
-    low = np.dtype(low_dtype)
-    out = np.dtype(out_dtype)
+    low, out = _check_dtypes("conv_general_dilated", low_dtype, out_dtype)
     if not (_is_float(lhs) and _is_float(rhs)):
         raise TypeError(
             "`conv_general_dilated(lhs, rhs, ...)` expects floating operands, got "
