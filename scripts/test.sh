@@ -4,8 +4,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --tests
 echo "== ruff"
-.venv/bin/ruff check mixprec tests benchmarks
-.venv/bin/ruff format --check mixprec tests benchmarks
+.venv/bin/ruff check mixprec tests benchmarks tools examples conftest.py
+.venv/bin/ruff format --check mixprec tests benchmarks tools examples conftest.py
 echo "== pyright"
 .venv/bin/pyright mixprec
 echo "== pytest (tests and doctests)"

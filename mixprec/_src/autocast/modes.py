@@ -320,6 +320,4 @@ def decide(
     ops = [d for d, p in floats if not p] or [d for d, _ in floats]
     if low != _F32 and all(d == low for d in ops):
         return Decision("infer", low, f"infer list: follows its {low} input")
-    return Decision(
-        "infer", _F32, "infer list: a float32 input (not a parameter) wins"
-    )
+    return Decision("infer", _F32, "infer list: a float32 input (not a parameter) wins")
