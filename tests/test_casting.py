@@ -51,3 +51,18 @@ def test_cast_tree_under_vmap_scan_and_grad():
 
     total, ys = jax.lax.scan(body, jnp.float32(0), x)
     assert ys.dtype == jnp.bfloat16 and float(total) == 15.0
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_cast_tree_leaves_loss_scales_alone(dtype):
+    state = {
+        "w": jnp.ones(2),
+        "dyn": mixprec.DynamicLossScale(2.0**16),  # inf in float16
+        "static": mixprec.StaticLossScale(2.0**17),
+    }
+    out = mixprec.get_policy("float32").with_compute_dtype(dtype).cast_to_compute(state)
+    assert out["w"].dtype == jnp.dtype(dtype)
+    assert out["dyn"].loss_scale.dtype == jnp.float32
+    assert float(out["dyn"].loss_scale) == 2.0**16
+    assert out["static"].loss_scale.dtype == jnp.float32
+    assert out["dyn"] is state["dyn"]

@@ -65,6 +65,7 @@ def cast_tree(tree: T, dtype: DTypeLike) -> T:
 
     Leaves that already have ``dtype`` are returned as they are (no copy, no
     ``convert_element_type`` in the jaxpr). NumPy leaves stay NumPy arrays.
+    Loss scales inside ``tree`` are left alone: their state stays float32.
 
     Args:
         tree: any pytree.
@@ -90,7 +91,13 @@ def cast_tree(tree: T, dtype: DTypeLike) -> T:
             return x.astype(dtype)
         return x
 
-    return jax.tree.map(cast, tree)
+    return jax.tree.map(cast, tree, is_leaf=_keeps_dtypes)
+
+
+def _keeps_dtypes(x: Any) -> bool:
+    # Loss scales keep float32 state whatever the policy: 2**16 is inf in
+    # float16. They are treated as opaque leaves and never cast.
+    return getattr(type(x), "_mixprec_keep_dtypes", False)
 
 
 def half_dtype() -> np.dtype:

@@ -14,7 +14,7 @@ counters. (JMP hand-writes its flattening and loses ``min_loss_scale``.)
 import abc
 import dataclasses
 import math
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -165,6 +165,9 @@ class LossScale(abc.ABC):
         >>> isinstance(DynamicLossScale(2.0**15), LossScale)
         True
     """
+
+    # `cast_tree` (and so every Policy.cast_to_*) leaves loss scales alone.
+    _mixprec_keep_dtypes: ClassVar[bool] = True
 
     # The current scale: a float32 scalar array once constructed (a field or
     # a property); annotated ArrayLike so that `StaticLossScale(2.0**15)`

@@ -24,9 +24,10 @@ differs (see ``docs/performance.md`` for the measurements):
   is what triggers the jaxlib 0.10.2 bug ``Unsupported element type for
   DotThunk::Execute: BF16 x BF16 = F32``. Matrix-vector and tiny products
   (no bf16 kernel) are computed in float32 from the rounded inputs.
-  ``float16`` is never native on CPU: the inputs (and cotangents) are rounded
-  to float16 and the product runs in float32, so the numerics are those of a
-  float16 GPU dot with float32 accumulation. It is correct, not fast.
+  ``float16`` is never native on CPU: the dot takes the float16 inputs (and
+  cotangents) with a float32 result, which XLA:CPU computes by upcasting, so
+  the numerics are those of a float16 GPU dot with float32 accumulation. It is
+  correct, not fast.
 * **GPU/TPU**. ``low x low -> low``: cuBLAS and the TPU MXU accumulate in
   float32 internally, and JAX's own transpose rules already give low-precision
   backward dots, so no custom derivative is needed.
@@ -182,9 +183,18 @@ def _upcast_contract(
             tuple(b_labels.index(lab) for lab in batch),
         ),
     )
-    out = lax.dot_general(
-        a.astype(acc_dtype), b.astype(acc_dtype), dims, precision=precision
-    )
+    if a.dtype == b.dtype == np.float16:
+        # XLA:CPU accepts f16 x f16 -> f32 in every layout (checked on jaxlib
+        # 0.10.2, including the layouts that crash for bf16). It upcasts
+        # internally, so this is no faster, but the jaxpr, `explain` and the
+        # saved residuals show the float16 operands that were really used.
+        out = lax.dot_general(
+            a, b, dims, precision=precision, preferred_element_type=acc_dtype
+        )
+    else:
+        out = lax.dot_general(
+            a.astype(acc_dtype), b.astype(acc_dtype), dims, precision=precision
+        )
     res_labels = [
         *batch,
         *(lab for lab in a_labels if lab not in batch and lab not in contract),
