@@ -27,7 +27,9 @@ import jax
 import numpy as np
 from jax.extend import core as jex_core, source_info_util
 
+from .autocast.interpreter import EqnRecord
 from .autocast.op_lists import COMPOSITES
+from .casting import cast_tree
 
 
 __all__ = ["AlignmentIssue", "ExplainedOp", "PrecisionReport", "explain"]
@@ -461,38 +463,19 @@ _SHORT_DTYPES = {
 
 
 @dataclasses.dataclass(frozen=True)
-class ExplainedOp:
+class ExplainedOp(EqnRecord):
     """One primitive (or recognised composite) as autocast runs it.
+
+    The fields of the interpreter's record (``primitive``, ``source``,
+    ``path``, ``in_dtypes``, ``out_dtypes``, ``in_shapes``, ``out_shapes``,
+    ``op_class``, ``decision`` (``"low"``, ``"float32"`` or ``"original"``),
+    ``dtype``, ``reason``, ``flops``), plus:
 
     Attributes:
       index: position in evaluation order.
-      primitive: primitive name (``"dot_general"``) or composite name (``"softmax"``).
-      source: user source ``"file.py:LINE (function)"``, or ``""`` when unknown.
-      path: nesting through higher-order primitives, e.g. ``"jit(f)/scan/body"``.
-      in_dtypes: the dtypes the op receives under autocast.
-      out_dtypes: the dtypes it produces.
-      in_shapes: input shapes.
-      out_shapes: output shapes.
-      op_class: ``"allow"``, ``"deny"``, ``"infer"``, ``"clear"`` (or a rule's class).
-      decision: ``"low"`` (runs in the low dtype), ``"float32"`` or ``"original"``.
-      dtype: the dtype floating inputs are cast to, or ``None``.
-      reason: why (list, mode, region or rule).
-      flops: floating point operations of one execution.
     """
 
     index: int
-    primitive: str
-    source: str
-    path: str
-    in_dtypes: tuple[str, ...]
-    out_dtypes: tuple[str, ...]
-    in_shapes: tuple[tuple[int, ...], ...]
-    out_shapes: tuple[tuple[int, ...], ...]
-    op_class: str
-    decision: str
-    dtype: str | None
-    reason: str
-    flops: int
 
     @property
     def line(self) -> int | None:
@@ -710,41 +693,14 @@ def _fallback_source(path: str, hop_sources: Mapping[str, str]) -> str:
     return ""
 
 
-def _as_explained(index: int, record: Any) -> ExplainedOp:
-    def shapes(x: Any) -> tuple[tuple[int, ...], ...]:
-        return tuple(tuple(int(d) for d in s) for s in x)
-
-    dtype = getattr(record, "dtype", None)
-    return ExplainedOp(
-        index=index,
-        primitive=str(record.primitive),
-        source=str(record.source or ""),
-        path=str(record.path or ""),
-        in_dtypes=tuple(str(d) for d in record.in_dtypes),
-        out_dtypes=tuple(str(d) for d in record.out_dtypes),
-        in_shapes=shapes(record.in_shapes),
-        out_shapes=shapes(record.out_shapes),
-        op_class=str(record.op_class),
-        decision=str(record.decision),
-        dtype=None if dtype is None else str(dtype),
-        reason=str(record.reason),
-        flops=int(record.flops),
-    )
+def _as_explained(index: int, record: EqnRecord) -> ExplainedOp:
+    fields = {f.name: getattr(record, f.name) for f in dataclasses.fields(EqnRecord)}
+    return ExplainedOp(**fields, index=index)
 
 
 def float32_args(args: Sequence[Any]) -> tuple[Any, ...]:
     """Cast floating array leaves to float32 (the reference precision)."""
-
-    def cast(x: Any) -> Any:
-        if not isinstance(x, (jax.Array, np.ndarray, np.generic)):
-            return x
-        try:
-            floating = bool(jax.numpy.issubdtype(x.dtype, jax.numpy.floating))
-        except TypeError:  # extended dtypes (PRNG keys)
-            return x
-        return x.astype(np.float32) if floating else x
-
-    return tuple(jax.tree.map(cast, tuple(args)))
+    return tuple(cast_tree(tuple(args), np.float32))
 
 
 def _lint_records(
