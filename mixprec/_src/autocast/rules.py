@@ -367,6 +367,22 @@ def _out_dtype_for(ctx: CastContext, low: np.dtype) -> np.dtype:
     return low
 
 
+def _matmul_low_dtype(ctx: CastContext, lhs: Any, rhs: Any) -> np.dtype | None:
+    """The 16-bit dtype a dot/conv runs in through ``dots.py``, or ``None`` to
+    run it as the default rule does (float32 regions and decisions, integer
+    operands, or a decision to keep the received dtypes)."""
+    low = None if ctx.decision is None else ctx.decision.dtype
+    if (
+        ctx.region == "float32"
+        or low is None
+        or not (is_floating(lhs) and is_floating(rhs))
+        or low == _F32
+        or low.itemsize > 2
+    ):
+        return None
+    return low
+
+
 def _dot_general_rule(
     ctx: CastContext,
     lhs: Any,
@@ -378,8 +394,7 @@ def _dot_general_rule(
     out_sharding: Any = None,
     **params: Any,
 ) -> Any:
-    decision = ctx.decision
-    low = None if decision is None else decision.dtype
+    low = _matmul_low_dtype(ctx, lhs, rhs)
     all_params = dict(
         dimension_numbers=dimension_numbers,
         precision=precision,
@@ -387,13 +402,7 @@ def _dot_general_rule(
         out_sharding=out_sharding,
         **params,
     )
-    if (
-        ctx.region == "float32"
-        or low is None
-        or not (is_floating(lhs) and is_floating(rhs))
-        or low == _F32
-        or low.itemsize > 2
-    ):
+    if low is None:
         return default_rule(P.dot_general_p, ctx, lhs, rhs, **all_params)
     return dots.dot_general(
         lhs,
@@ -410,15 +419,8 @@ def _dot_general_rule(
 
 
 def _conv_general_dilated_rule(ctx: CastContext, lhs: Any, rhs: Any, **params: Any):
-    decision = ctx.decision
-    low = None if decision is None else decision.dtype
-    if (
-        ctx.region == "float32"
-        or low is None
-        or not (is_floating(lhs) and is_floating(rhs))
-        or low == _F32
-        or low.itemsize > 2
-    ):
+    low = _matmul_low_dtype(ctx, lhs, rhs)
+    if low is None:
         return default_rule(P.conv_general_dilated_p, ctx, lhs, rhs, **params)
     return dots.conv_general_dilated(
         lhs,
