@@ -92,14 +92,73 @@ def test_oracle_against_precast_inputs():
 
 
 def test_bias_add_follows_the_half_operand():
+    # An add whose bf16 input is not a dot's product: the f32 bias follows it.
+    def f(params, x):
+        h = x.astype(BF16) * 2
+        return jax.nn.relu(h + params["b1"][None, :8])
+
     params = _params()
-    sig = _signature(
-        jax.make_jaxpr(mixprec.autocast(_mlp, "mixed_bfloat16"))(params, X)
-    )
+    sig = _signature(jax.make_jaxpr(mixprec.autocast(f, "mixed_bfloat16"))(params, X))
     adds = [s for s in sig if s[0] == "add"]
-    assert adds and all(s[2] == ("bfloat16",) for s in adds), adds
+    assert adds == [("add", ("bfloat16", "bfloat16"), ("bfloat16",))], adds
     # and relu's max runs in bf16 too (its 0.0 literal follows)
     assert any(s[0] == "max" and s[2] == ("bfloat16",) for s in sig)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU dot formulation")
+def test_bias_add_after_a_dot_is_its_float32_epilogue():
+    # On CPU the dot's product is float32 before rounding: the bias is added to
+    # it in float32 and the sum rounded once, like a GEMM epilogue.
+    params = _params()
+    f = mixprec.autocast(_mlp, "p=f32,c=bf16,o=bf16")
+    sig = _signature(jax.make_jaxpr(f)(params, X))
+    adds = [s for s in sig if s[0] == "add"]
+    assert adds and all(s[1] == ("float32", "float32") for s in adds), adds
+    assert any(s[0] == "max" and s[2] == ("bfloat16",) for s in sig)
+    y = f(params, X)
+    assert y.dtype == BF16
+    # Bit-exact against the same formulation written by hand.
+    xb, w1, w2 = (a.astype(BF16) for a in (X, params["w1"], params["w2"]))
+    h = lax.dot(xb, w1, preferred_element_type=F32) + params["b1"][None, :]
+    h = jax.nn.relu(h.astype(BF16))
+    want = lax.dot(h, w2, preferred_element_type=F32) + params["b2"][None, :]
+    np.testing.assert_array_equal(
+        np.asarray(y, np.float32), np.asarray(want.astype(BF16), np.float32)
+    )
+    # The rounding happens once: closer to float32 than rounding the product
+    # and the bias first (summed over a batch where the two differ).
+    b = params["b1"][None, :] * 300
+
+    g = mixprec.autocast(lambda p, x: x @ p["w1"] + b, "p=f32,c=bf16,o=f32")
+    ref = X @ params["w1"] + b
+    twice = (
+        lax.dot(xb, w1, preferred_element_type=F32).astype(BF16) + b.astype(BF16)
+    ).astype(F32)
+    assert float(jnp.abs(g(params, X) - ref).sum()) < float(jnp.abs(twice - ref).sum())
+    recs = trace_records(_mlp, params, X, policy="p=f32,c=bf16,o=bf16")
+    fused = [r for r in recs if r.primitive == "add"]
+    assert len(fused) == 2
+    assert all("fused into the dot" in r.reason for r in fused), fused
+    assert all(r.in_dtypes == ("float32", "float32") for r in fused)
+    assert all(r.out_dtypes == ("bfloat16",) for r in fused)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU dot formulation")
+def test_dot_product_used_twice_is_rounded_for_other_uses():
+    # Only the add is fused; another use of the product sees the rounded value.
+    def f(w, x):
+        y = x @ w
+        return y + jnp.ones((1, w.shape[1])), y * 2
+
+    w = _params()["w1"]
+    a, b = mixprec.autocast(f, "p=f32,c=bf16,o=bf16")(w, X)
+    prod = lax.dot(X.astype(BF16), w.astype(BF16), preferred_element_type=F32)
+    np.testing.assert_array_equal(
+        np.asarray(a, np.float32), np.asarray((prod + 1).astype(BF16), np.float32)
+    )
+    np.testing.assert_array_equal(
+        np.asarray(b, np.float32), np.asarray(prod.astype(BF16) * 2, np.float32)
+    )
 
 
 def test_deny_ops_run_in_float32():
@@ -417,7 +476,10 @@ def test_modes_end_to_end(mode, dot_dtype, exp_dtype, add_dtype):
     sig = _signature(jax.make_jaxpr(g)(X))
     assert [s[1] for s in sig if s[0] == "dot_general"][0] == (dot_dtype,) * 2
     assert [s[1] for s in sig if s[0] == "exp"] == [(exp_dtype,)]
-    assert [s[2] for s in sig if s[0] == "add"] == [(add_dtype,)]
+    # The add's result dtype (on CPU a bias add after a dot runs in float32 on
+    # the dot's product and is rounded to this dtype: see the epilogue tests).
+    recs = trace_records(f, X, policy="mixed_bfloat16", mode=mode)
+    assert [r.out_dtypes for r in recs if r.primitive == "add"] == [(add_dtype,)]
     y = g(X)
     assert y.dtype == F32
     # exp of a float16 argument (force_fp16) is as accurate as bfloat16

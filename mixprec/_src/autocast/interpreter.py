@@ -7,7 +7,9 @@ context and ``eqn.ctx.manager``), decides each equation's precision with
 
 It also tracks, per variable, whether the value comes straight from a parameter,
 constant or literal (``from_param``): such float32 values follow the half
-operand of gray ops (``bf16 activation + f32 bias`` stays bf16).
+operand of gray ops (``bf16 activation + f32 bias`` stays bf16). On CPU, where a
+dot's product is float32 before rounding, such a bias add right after a dot runs
+on the float32 product instead and is rounded once (:func:`_dot_epilogue`).
 
 The numerics tools build on :func:`make_context`, :func:`apply_eqn`,
 :func:`decide_eqn` and :func:`trace_records`.
@@ -445,6 +447,56 @@ def _mixed_dtypes(invals: Sequence[Any]) -> bool:
     return len({dtype_of(x) for x in invals if is_floating(x)}) > 1
 
 
+_EPILOGUE_OPS = frozenset({"add", "sub"})
+
+
+def _dot_epilogue(
+    ctx: CastContext,
+    eqn: JaxprEqn,
+    invals: Sequence[Any],
+    in_from_param: Sequence[bool],
+    decision: Decision,
+) -> tuple[Any, Decision] | None:
+    """Runs a bias add on the float32 product of the dot that feeds it.
+
+    ``dot(x, w) + b`` with ``b`` a float32 parameter would otherwise round the
+    CPU dot's float32 product to the low dtype, round ``b`` too, add, and round
+    again. Adding in float32 and rounding once is what a GEMM epilogue does
+    (cuBLAS, oneDNN): the result has the same dtype, is at least as accurate,
+    and XLA:CPU fuses the add into the rounding instead of emitting separate
+    kernels for ``convert(b)``, the add and, in the backward pass, a low
+    precision reduction for the bias gradient. Returns ``(out, decision)``, or
+    None when ``eqn`` is not such an add.
+    """
+    if (
+        not ctx.epilogues
+        or eqn.primitive.name not in _EPILOGUE_OPS
+        or ctx.region == "float32"
+        or decision.dtype is None
+        or decision.dtype != ctx.low_dtype
+        or len(invals) != 2
+    ):
+        return None
+    wide = [ctx.epilogues.get(id(x)) for x in invals]
+    dot_side = [w is not None and w[0] is x for w, x in zip(wide, invals, strict=True)]
+    if sum(dot_side) != 1:
+        return None
+    other = 1 - dot_side.index(True)
+    if not (in_from_param[other] and is_floating(invals[other])):
+        return None
+    product = wide[1 - other]
+    assert product is not None
+    args = list(invals)
+    args[1 - other] = product[1]
+    args[other] = rules.cast(invals[other], _F32)
+    out = rules.cast(rules.bind(eqn.primitive, args, eqn.params), decision.dtype)
+    why = (
+        f"{decision.reason}; fused into the dot before it: added in float32 "
+        f"to its float32 product, rounded once to {decision.dtype}"
+    )
+    return out, Decision(decision.op_class, _F32, why)
+
+
 def run_eqn(
     ctx: CastContext,
     eqn: JaxprEqn,
@@ -462,6 +514,12 @@ def run_eqn(
         return outs, False
     in_dtypes = [dtype_of(x) for x in invals]
     decision = _decide(ctx, eqn, in_dtypes, in_from_param)
+    fused = _dot_epilogue(ctx, eqn, invals, in_from_param, decision)
+    if fused is not None:
+        out, decision = fused
+        if ctx.recorder is not None:
+            _record(ctx, eqn, [_F32] * len(invals), [out], decision)
+        return [out], False
     ectx = dataclasses.replace(
         ctx, eqn=eqn, decision=decision, from_param=tuple(in_from_param)
     )
@@ -547,6 +605,9 @@ def eval_jaxpr(
             raise ValueError("`eval_jaxpr`: pass no `consts` with a ClosedJaxpr.")
         consts = jaxpr.consts
         jaxpr = jaxpr.jaxpr
+    if ctx.platform == "cpu":
+        # Float32 products of this jaxpr's dots, for bias adds that follow them.
+        ctx = dataclasses.replace(ctx, epilogues={})
     env: dict[Any, Any] = {}
     fp: dict[Any, bool] = {}
 

@@ -73,6 +73,11 @@ class CastContext:
         decision: its :class:`Decision` (per-equation copies only).
         from_param: per input, whether it comes straight from a parameter,
             constant or literal (per-equation copies only).
+        epilogues: ``id(result) -> (result, wide)`` for the low-precision
+            results of CPU dots in the jaxpr being run, where ``wide`` is the
+            float32 product before rounding. A bias add that follows such a
+            dot runs on ``wide`` (see ``interpreter._dot_epilogue``). ``None``
+            where there is no float32 product (GPU/TPU).
 
     Examples:
         >>> from mixprec._src.autocast.interpreter import make_context
@@ -96,6 +101,9 @@ class CastContext:
     eqn: Any = dataclasses.field(default=None, compare=False)
     decision: Decision | None = dataclasses.field(default=None, compare=False)
     from_param: tuple[bool, ...] = dataclasses.field(default=(), compare=False)
+    epilogues: dict[int, tuple[Any, Any]] | None = dataclasses.field(
+        default=None, compare=False
+    )
 
     def __hash__(self) -> int:
         return hash(
@@ -307,7 +315,8 @@ ORIGINAL_ONLY: frozenset[str] = frozenset(
 )
 
 
-def _bind(prim: Primitive, invals: Sequence[Any], params: dict[str, Any]) -> Any:
+def bind(prim: Primitive, invals: Sequence[Any], params: dict[str, Any]) -> Any:
+    """``prim.bind(*invals, **params)`` with the params canonicalised."""
     return prim.bind(*invals, **canonical_params(params))
 
 
@@ -339,7 +348,7 @@ def default_rule(prim: Primitive, ctx: CastContext, *invals: Any, **params: Any)
     elif decision is not None and decision.dtype is not None:
         invals = tuple(cast_floating(invals, decision.dtype))
     del eqn
-    return _bind(prim, invals, params)
+    return bind(prim, invals, params)
 
 
 _ORIGINAL_REASON = "in no op list and no rule: runs at its original dtypes"
@@ -359,7 +368,7 @@ def _convert_element_type_rule(ctx: CastContext, x: Any, **params: Any) -> Any:
     # The cast the user wrote: keep its target dtype. (An `astype` to the dtype a
     # value already has leaves no equation, see regions.py.)
     del ctx
-    return _bind(P.convert_element_type_p, [x], params)
+    return bind(P.convert_element_type_p, [x], params)
 
 
 def _out_dtype_for(ctx: CastContext, low: np.dtype) -> np.dtype:
@@ -404,18 +413,29 @@ def _dot_general_rule(
     )
     if low is None:
         return default_rule(P.dot_general_p, ctx, lhs, rhs, **all_params)
-    return dots.dot_general(
+    out_dtype = _out_dtype_for(ctx, low)
+    # On CPU the product is float32 before it is rounded to `out_dtype`; keep
+    # it, so that a bias add right after the dot can use it (one rounding, and
+    # one XLA kernel fewer per layer: see `interpreter._dot_epilogue`).
+    keep_wide = ctx.epilogues is not None and out_dtype != _F32
+    res = dots.dot_general(
         lhs,
         rhs,
         dimension_numbers=dimension_numbers,
         precision=precision,
         preferred_element_type=preferred_element_type,
         low_dtype=low,
-        out_dtype=_out_dtype_for(ctx, low),
+        out_dtype=_F32 if keep_wide else out_dtype,
         forward_mode_ad=ctx.forward_mode_ad,
         out_sharding=out_sharding,
         platform=ctx.platform,
     )
+    if not keep_wide:
+        return res
+    out = lax.convert_element_type(res, out_dtype)
+    assert ctx.epilogues is not None
+    ctx.epilogues[id(out)] = (out, res)
+    return out
 
 
 def _conv_general_dilated_rule(ctx: CastContext, lhs: Any, rhs: Any, **params: Any):
