@@ -57,7 +57,8 @@ def _is_dynamic(x: Any) -> bool:
 
 @dataclasses.dataclass
 class _Entry:
-    call: Callable[..., Any]
+    call: Callable[..., Any]  # jitted: for calls outside any trace
+    run: Callable[..., Any]  # the transformed jaxpr as a function: inline
     consts: list[Any]
     out_tree: Any
     out_static: dict[int, Any]
@@ -185,6 +186,7 @@ def _build(
     call = jax.jit(autocast_call, inline=True)
     return _Entry(
         call=call,
+        run=run,
         consts=consts,
         out_tree=out_info["tree"],
         out_static=out_info["static"],
@@ -233,7 +235,13 @@ def _run(
         entry = _build(fn, ctx, leaves, treedef, dyn_idx, region_stack)
         if key is not None and not any(_compat.is_tracer(c) for c in entry.consts):
             _cache.put(fn, key, entry)
-    outs = iter(entry.call(*entry.consts, *dyn))
+    if any(_compat.is_tracer(x) for x in dyn):
+        # Under a trace (jit, grad, vmap, ...) run the transformed jaxpr inline:
+        # a nested jit would be linearized and partially evaluated as a whole
+        # under `grad`, which costs more trace time than the step itself.
+        outs = iter(entry.run(*entry.consts, *dyn))
+    else:
+        outs = iter(entry.call(*entry.consts, *dyn))
     out_leaves = [
         entry.out_static[i] if i in entry.out_static else next(outs)
         for i in range(entry.n_out)
