@@ -337,6 +337,23 @@ def test_second_call_does_not_retrace_and_jit_compiles_once():
     assert len(traces) == 2
 
 
+def test_eager_and_traced_calls_agree():
+    # Outside any trace autocast runs its jitted transformed jaxpr; under a
+    # trace (here grad, and jit of grad) it evaluates the same jaxpr inline.
+    params = _params()
+
+    def loss(p, x):
+        return jnp.mean(_mlp(p, x) ** 2)
+
+    g = mixprec.autocast(loss, "mixed_bfloat16")
+    eager = g(params, X)
+    np.testing.assert_array_equal(np.asarray(jax.jit(g)(params, X)), np.asarray(eager))
+    grads = jax.grad(g)(params, X)
+    assert_tree_dtypes(grads, jax.tree.map(lambda a: a.dtype, params))
+    assert_trees_close(jax.jit(jax.grad(g))(params, X), grads, dtype=F32)
+    assert_trees_close(grads, jax.grad(loss)(params, X), dtype=BF16)
+
+
 def test_cache_is_keyed_on_policy_and_static_args():
     traces = []
 
