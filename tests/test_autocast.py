@@ -338,8 +338,8 @@ def test_second_call_does_not_retrace_and_jit_compiles_once():
 
 
 def test_eager_and_traced_calls_agree():
-    # Outside any trace autocast runs its jitted transformed jaxpr; under a
-    # trace (here grad, and jit of grad) it evaluates the same jaxpr inline.
+    # Eagerly (also under an eager grad) autocast runs its jitted transformed
+    # jaxpr; inside jit it evaluates the same jaxpr inline.
     params = _params()
 
     def loss(p, x):
@@ -352,6 +352,25 @@ def test_eager_and_traced_calls_agree():
     assert_tree_dtypes(grads, jax.tree.map(lambda a: a.dtype, params))
     assert_trees_close(jax.jit(jax.grad(g))(params, X), grads, dtype=F32)
     assert_trees_close(grads, jax.grad(loss)(params, X), dtype=BF16)
+
+
+def test_is_staging_tells_jit_from_eager_transforms():
+    from mixprec._src import _compat
+
+    seen = []
+
+    def probe(x):
+        seen.append(_compat.is_staging())
+        return x * 2.0
+
+    x = jnp.ones(3)
+    probe(x)
+    jax.grad(lambda x: probe(x).sum())(x)
+    jax.vmap(probe)(x)
+    jax.jit(probe)(x)
+    jax.jit(jax.grad(lambda x: probe(x).sum()))(x)
+    jax.grad(jax.jit(lambda x: probe(x).sum()))(x)
+    assert seen == [False, False, False, True, True, True]
 
 
 def test_cache_is_keyed_on_policy_and_static_args():

@@ -53,6 +53,23 @@ def is_tracer(x: Any) -> bool:
     return isinstance(x, _core.Tracer)
 
 
+def is_staging() -> bool:
+    """Whether the current trace stack stages out to a jaxpr (``jit`` and co).
+
+    Under ``jit(grad(f))`` the stack is LinearizeTrace -> DynamicJaxprTrace; under
+    an eager ``grad(f)`` it is LinearizeTrace -> EvalTrace. Unknown trace types
+    without ``parent_trace`` end the walk (then False: the caller's safe choice).
+    """
+    t = _core.trace_ctx.trace
+    for _ in range(256):
+        if t is None:
+            return False
+        if isinstance(t, _pe.DynamicJaxprTrace):
+            return True
+        t = getattr(t, "parent_trace", None)
+    return False
+
+
 def _debug_info(fn: Callable, name: str, n_args: int) -> Any:
     return _core.DebugInfo(
         "autocast", name, tuple(f"args[{i}]" for i in range(n_args)), None

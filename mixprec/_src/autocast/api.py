@@ -57,8 +57,8 @@ def _is_dynamic(x: Any) -> bool:
 
 @dataclasses.dataclass
 class _Entry:
-    call: Callable[..., Any]  # jitted: for calls outside any trace
-    run: Callable[..., Any]  # the transformed jaxpr as a function: inline
+    call: Callable[..., Any]  # jitted: for calls that are not staged out
+    run: Callable[..., Any]  # the transformed jaxpr as a function: inline under jit
     consts: list[Any]
     out_tree: Any
     out_static: dict[int, Any]
@@ -235,10 +235,11 @@ def _run(
         entry = _build(fn, ctx, leaves, treedef, dyn_idx, region_stack)
         if key is not None and not any(_compat.is_tracer(c) for c in entry.consts):
             _cache.put(fn, key, entry)
-    if any(_compat.is_tracer(x) for x in dyn):
-        # Under a trace (jit, grad, vmap, ...) run the transformed jaxpr inline:
-        # a nested jit would be linearized and partially evaluated as a whole
-        # under `grad`, which costs more trace time than the step itself.
+    if _compat.is_staging():
+        # Being staged out (inside jit): run the transformed jaxpr inline. A
+        # nested jit would be linearized and partially evaluated as a whole
+        # under `grad`, which took more trace time than the step itself.
+        # Eagerly (also under an eager grad or vmap) the jitted call is faster.
         outs = iter(entry.run(*entry.consts, *dyn))
     else:
         outs = iter(entry.call(*entry.consts, *dyn))
