@@ -152,6 +152,7 @@ def test_dot_product_used_twice_is_rounded_for_other_uses():
 
     w = _params()["w1"]
     a, b = mixprec.autocast(f, "p=f32,c=bf16,o=bf16")(w, X)
+    assert a.dtype == b.dtype == BF16
     prod = lax.dot(X.astype(BF16), w.astype(BF16), preferred_element_type=F32)
     np.testing.assert_array_equal(
         np.asarray(a, np.float32), np.asarray((prod + 1).astype(BF16), np.float32)
