@@ -2,7 +2,7 @@
 
 Each function has a ``<name>_example_args()`` hook, so the CLI can call it::
 
-    mixprec diagnose examples/diagnose_planted.py:seed_overflow
+    mixprec diagnose examples/diagnose_planted.py:product_overflow
     mixprec diagnose examples/diagnose_planted.py:layer_norm --json
     mixprec diagnose examples/diagnose_planted.py:naive_softmax \
         --mixlist '{"black-list": {"to-remove": ["exp"]}}'
@@ -20,23 +20,25 @@ import jax.numpy as jnp
 import mixprec
 
 
-def seed_overflow(w, x):
-    """Seed 001: ``256.0 ** 2`` overflows float16 (written as ``jnp.square``)."""
-    h = x @ w
-    return jnp.square(h)
+def product_overflow(w, x):
+    """``256.0 * 256.0`` overflows float16 (above 65504): a product of two
+    activations is gray, so it runs in float16. (A square, ``h * h`` or
+    ``jnp.square(h)``, runs in float32 under float16.)"""
+    h, g = x @ w, x @ w.T
+    return h * g
 
 
-def seed_overflow_example_args():
+def product_overflow_example_args():
     return jnp.eye(8), jnp.full((8, 8), 256.0)
 
 
-def seed_underflow(w, x):
-    """Seed 001: ``1e-5 ** 2`` flushes to zero in float16."""
-    h = x @ w
-    return h * h
+def product_underflow(w, x):
+    """``1e-5 * 1e-5`` flushes to zero in float16 (below 6e-8)."""
+    h, g = x @ w, x @ w.T
+    return h * g
 
 
-def seed_underflow_example_args():
+def product_underflow_example_args():
     return jnp.eye(8), jnp.full((8, 8), 1e-5)
 
 
@@ -52,12 +54,12 @@ def naive_softmax_example_args():
 
 
 def layer_norm(w, mu, x):
-    """A layer norm centred with a stored mean, whose variance underflows in
-    float16. (Centred with ``jnp.mean(h)`` it is safe under autocast: the mean is
-    a float32 reduction and ``h - mu`` then runs in float32.)"""
+    """A layer norm centred with a stored mean, with a weighted variance that
+    underflows in float16: ``d * (d * 0.5)`` multiplies two different float16
+    values. (The plain ``d * d`` is a square and runs in float32.)"""
     h = x @ w
     d = h - mu
-    var = jnp.mean(d * d, axis=-1, keepdims=True)
+    var = jnp.mean(d * (d * 0.5), axis=-1, keepdims=True)
     return d * jax.lax.rsqrt(var + 1e-12)
 
 
@@ -83,8 +85,8 @@ def mlp_loss_example_args():
 def main() -> None:
     f16 = "mixed_float16"
     for fn, kwargs in [
-        (seed_overflow, {}),
-        (seed_underflow, {}),
+        (product_overflow, {}),
+        (product_underflow, {}),
         (naive_softmax, {"mixlist": {"black-list": {"to-remove": ["exp"]}}}),
         (layer_norm, {}),
     ]:

@@ -20,29 +20,21 @@ from importlib import metadata as _metadata
 from ._src import _config  # noqa: F401  (reads MIXPREC_POLICY once)
 from ._src.autocast.api import autocast as autocast
 from ._src.autocast.mixlist import modify_mixlist as modify_mixlist
-from ._src.autocast.op_lists import (
+from ._src.autocast.ops import (
     OpLists as OpLists,
     default_op_lists as default_op_lists,
+    register_rule as register_rule,
 )
 from ._src.autocast.regions import (
     float32_scope as float32_scope,
     precision_scope as precision_scope,
 )
-from ._src.autocast.rules import register_rule as register_rule
 from ._src.casting import (
     cast_to_full as cast_to_full,
     cast_to_half as cast_to_half,
     cast_tree as cast_tree,
     half_dtype as half_dtype,
     is_floating_array as is_floating_array,
-)
-from ._src.diagnose import (
-    DiagnosisReport as DiagnosisReport,
-    diagnose as diagnose,
-)
-from ._src.explain import (
-    PrecisionReport as PrecisionReport,
-    explain as explain,
 )
 from ._src.loss_scale import (
     DynamicLossScale as DynamicLossScale,
@@ -51,6 +43,14 @@ from ._src.loss_scale import (
     StaticLossScale as StaticLossScale,
     all_finite as all_finite,
     select_tree as select_tree,
+)
+from ._src.numerics.diagnose import (
+    DiagnosisReport as DiagnosisReport,
+    diagnose as diagnose,
+)
+from ._src.numerics.explain import (
+    PrecisionReport as PrecisionReport,
+    explain as explain,
 )
 from ._src.policy import (
     Policy as Policy,

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 
 import mixprec
-from mixprec._src.explain import (
+from mixprec._src.numerics.record import (
     eqn_flops,
     lint_eqn,
     parse_source,
-    render_table,
     short_source,
 )
+from mixprec._src.numerics.render import render_table
 
 
 def line_of(fn, marker: str) -> int:

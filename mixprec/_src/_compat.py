@@ -4,8 +4,8 @@ A JAX release that renames something breaks this one file. Everything else in
 mixprec imports only from ``jax``, ``jax.extend.core``,
 ``jax.extend.core.primitives`` and ``jax.extend.source_info_util``.
 
-Owner: the autocast-interpreter piece. Other pieces may append functions at the
-end (one edit, with a comment naming the user).
+Functions here are grouped by what they reach into: the trace stack, tracing
+to jaxprs, custom derivatives, source information.
 """
 
 from __future__ import annotations
@@ -70,6 +70,41 @@ def is_staging() -> bool:
     return False
 
 
+def ad_mode() -> str | None:
+    """Which automatic differentiation the current trace stack is under.
+
+    ``"forward"`` when a ``JVPTrace`` (``jax.jvp``, ``jax.jacfwd``) is on the
+    stack, else ``"reverse"`` when a ``LinearizeTrace`` (``jax.grad``,
+    ``jax.vjp``, ``jax.linearize``) is, else ``None``. A ``jit`` traced under
+    ``grad`` keeps the outer traces as parents, so ``grad(jit(f))`` is reverse.
+    """
+    t = _core.trace_ctx.trace
+    mode = None
+    for _ in range(256):
+        if t is None:
+            break
+        name = type(t).__name__
+        if name == "JVPTrace":
+            return "forward"
+        if name == "LinearizeTrace":
+            mode = "reverse"
+        t = getattr(t, "parent_trace", None)
+    return mode
+
+
+def jaxpr_function(jaxpr: Any) -> tuple[str, str] | None:
+    """``(function name, defining file)`` of a traced function, from the debug
+    info JAX keeps on its jaxpr (``None`` when it has none)."""
+    inner = getattr(jaxpr, "jaxpr", jaxpr)
+    dbg = getattr(inner, "debug_info", None)
+    src = getattr(dbg, "func_src_info", None)
+    if not src or " at " not in src:
+        return None
+    name, _, where = src.partition(" at ")
+    path = where.rsplit(":", 1)[0]
+    return name.strip(), path
+
+
 def _debug_info(fn: Callable, name: str, n_args: int) -> Any:
     return _core.DebugInfo(
         "autocast", name, tuple(f"args[{i}]" for i in range(n_args)), None
@@ -90,6 +125,27 @@ def trace_to_closed_jaxpr(
     )
     jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(wrapped, list(in_avals))
     return ClosedJaxpr(jaxpr, consts)
+
+
+def eval_closed_jaxpr(closed: ClosedJaxpr, *args: Any) -> list[Any]:
+    """Evaluates ``closed`` on ``args`` in the current trace.
+
+    When that trace stages out to a jaxpr (directly inside ``jit``), the
+    equations are copied into it as they are, as ``jax.jit(..., inline=True)``
+    does, instead of being bound one by one; under any other trace (``grad``,
+    ``vmap``, eager) they are bound one by one, as ``jax.core.eval_jaxpr`` does.
+    """
+    from jax.extend import source_info_util as siu
+
+    trace = _core.trace_ctx.trace
+    if type(trace) is _pe.DynamicJaxprTrace:
+        src = siu.current()
+        tracers = [trace.to_jaxpr_tracer(a, src) for a in args]
+        out = _pe.inline_jaxpr_into_trace(
+            trace, src, closed.jaxpr, closed.consts, *tracers
+        )
+        return [trace.to_jaxpr_tracer(x, src) for x in out]
+    return _core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
 
 
 def convert_constvars_jaxpr(jaxpr: Jaxpr) -> Jaxpr:

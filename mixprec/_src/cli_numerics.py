@@ -237,7 +237,7 @@ def _load(args: argparse.Namespace) -> tuple[Callable[..., Any], tuple[Any, ...]
 
 def main_inspect(args: argparse.Namespace) -> int:
     """Runs ``mixprec inspect`` on parsed arguments; returns the exit status."""
-    from .explain import explain
+    from .numerics.explain import explain
 
     try:
         fn, fn_args = _load(args)
@@ -260,7 +260,7 @@ def main_inspect(args: argparse.Namespace) -> int:
 
 def main_diagnose(args: argparse.Namespace) -> int:
     """Runs ``mixprec diagnose`` on parsed arguments; returns the exit status."""
-    from .diagnose import diagnose
+    from .numerics.diagnose import diagnose
 
     try:
         fn, fn_args = _load(args)

@@ -1,9 +1,10 @@
-"""Autocast: run any JAX function in mixed precision (issue 3).
+"""Autocast: run any JAX function in mixed precision.
 
-Modules: ``op_lists`` (allow / deny / infer / clear), ``modes`` (the seven
-precision modes and :func:`~mixprec._src.autocast.modes.decide`), ``mixlist``
-(``modify_mixlist``), ``rules`` (the cast-rule table), ``hop_rules`` (rules for
-higher-order primitives), ``interpreter`` (the jaxpr interpreter), ``regions``
-(``float32_scope``, ``precision_scope``), ``dots`` (per-backend low-precision
-dots and convolutions) and ``api`` (``autocast``).
+Modules, in the order data flows: ``api`` (``autocast``, the cache),
+``config`` (what one transform was asked to do), ``ops`` (the op table: class,
+reason, flags and rule of every op; the op lists), ``decide`` (the dtype rule),
+``interpreter`` (the one walk over a jaxpr, shared with explain and diagnose),
+``rules`` (dots, control flow, calls, defaults), ``dots`` (per-backend
+low-precision dots and convolutions), ``modes``, ``mixlist`` and ``regions``
+(``float32_scope``, ``precision_scope``).
 """

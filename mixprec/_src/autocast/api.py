@@ -10,9 +10,9 @@ How a call works:
    (:mod:`~mixprec._src.autocast.interpreter`) and the result traced into a new
    jaxpr, whose floating outputs are cast to ``policy.output_dtype``.
 4. Steps 2-3 are cached per (function, argument types and tree, static leaves,
-   policy, mode, lists, strict, region); the transformed jaxpr runs through a
-   ``jax.jit(..., inline=True)``, so an eager second call neither re-traces nor
-   re-compiles, and under an outer ``jit`` it is inlined.
+   configuration, region). Called eagerly, the transformed jaxpr runs through a
+   ``jax.jit(..., inline=True)``, so a second call neither re-traces nor
+   re-compiles; inside ``jit`` it is evaluated in place.
 """
 
 from __future__ import annotations
@@ -32,21 +32,21 @@ from jax.extend import source_info_util as siu
 from jax.extend.core import jaxpr_as_fun
 
 from mixprec._src import _compat
-from mixprec._src.autocast import hop_rules, interpreter, regions, rules
-from mixprec._src.autocast.modes import validate_mode
-from mixprec._src.autocast.op_lists import default_op_lists
-from mixprec._src.autocast.rules import CastContext
-from mixprec._src.policy import Policy, get_global_policy, get_policy
+from mixprec._src.autocast import interpreter, regions, rules
+from mixprec._src.autocast.config import CastConfig, make_config
+from mixprec._src.autocast.interpreter import Observer, Walk
+from mixprec._src.autocast.ops import OpLists
+from mixprec._src.policy import Policy, get_global_policy
 
 
-del hop_rules  # imported for its registrations
+del rules  # imported for its registrations
 
 __all__ = ["autocast"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 # The configuration of the autocast whose function is being traced (stage 2).
-_active: contextvars.ContextVar[CastContext | None] = contextvars.ContextVar(
+_active: contextvars.ContextVar[CastConfig | None] = contextvars.ContextVar(
     "mixprec_autocast_active", default=None
 )
 
@@ -121,16 +121,30 @@ def _aval(x: Any) -> Any:
 
 
 def _cast_output(x: Any, dtype: np.dtype) -> Any:
-    return rules.cast(x, dtype) if rules.is_floating(x) else x
+    return interpreter.cast(x, dtype)
+
+
+def _region_walk(walk: Walk, region_stack: str) -> Walk:
+    """The walk for a call made inside a region (``float32_scope`` and co)."""
+    found = regions.parse_name_stack(region_stack) if region_stack else None
+    if found is None:
+        return walk
+    kind, value = found
+    if kind == "float32":
+        return walk._copy(float32=True)
+    if kind == "policy":
+        return walk._copy(config=walk.config.with_policy(value))
+    return walk._copy(config=value)
 
 
 def _build(
     fn: Callable[..., Any],
-    ctx: CastContext,
+    config: CastConfig,
     leaves: list[Any],
     treedef: Any,
     dyn_idx: list[int],
     region_stack: str,
+    observer: Observer | None = None,
 ) -> _Entry:
     out_info: dict[str, Any] = {}
 
@@ -139,7 +153,7 @@ def _build(
         for i, x in zip(dyn_idx, dyn, strict=True):
             full[i] = x
         args, kwargs = jax.tree.unflatten(treedef, full)
-        token = _active.set(ctx)
+        token = _active.set(config)
         try:
             out = fn(*args, **kwargs)
         finally:
@@ -157,26 +171,18 @@ def _build(
     closed = _compat.trace_to_closed_jaxpr(flat_fn, in_avals, name=name)
     jaxpr = _compat.convert_constvars_jaxpr(closed.jaxpr)
     consts = list(closed.consts)
-    n_consts = len(consts)
-
-    run_ctx = ctx
-    found = regions.parse_name_stack(region_stack) if region_stack else None
-    if found is not None:
-        dummy = _RegionEqn(region_stack)
-        run_ctx = interpreter.region_context(ctx, dummy)  # type: ignore[arg-type]
-    out_dtype = ctx.policy.output_dtype
+    walk = _region_walk(Walk(config, observer=observer), region_stack)
+    marks = [interpreter.CONST] * len(consts) + [0] * len(in_avals)
+    out_dtype = config.policy.output_dtype
 
     def interp(*vals: Any) -> list[Any]:
-        outs = interpreter.eval_jaxpr(
-            run_ctx, jaxpr, [], vals, from_param=[True] * len(vals)
-        )
+        outs, _ = interpreter.eval_jaxpr(walk, jaxpr, [], vals, marks)
         return [_cast_output(o, out_dtype) for o in outs]
 
     const_avals = [_compat.get_aval(c) for c in consts]
     transformed = _compat.trace_to_closed_jaxpr(
         interp, const_avals + in_avals, name=name
     )
-    del n_consts
     run = jaxpr_as_fun(transformed)
 
     def autocast_call(*args: Any) -> Any:
@@ -195,18 +201,6 @@ def _build(
     )
 
 
-class _RegionEqn:
-    """A stand-in equation carrying only a name stack (for the call site)."""
-
-    def __init__(self, stack: str) -> None:
-        self.source_info = _StackOnly(stack)
-
-
-class _StackOnly:
-    def __init__(self, stack: str) -> None:
-        self.name_stack = stack
-
-
 def _split(args: tuple, kwargs: dict) -> tuple[list[Any], Any, list[int], Any]:
     leaves, treedef = jax.tree.flatten((args, kwargs))
     dyn_idx = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
@@ -216,7 +210,7 @@ def _split(args: tuple, kwargs: dict) -> tuple[list[Any], Any, list[int], Any]:
 
 def _run(
     fn: Callable[..., Any],
-    ctx: CastContext,
+    config: CastConfig,
     args: tuple,
     kwargs: dict,
 ) -> Any:
@@ -228,11 +222,11 @@ def _run(
     entry = None
     if skey is not None:
         avals = tuple(_compat.get_aval(x) for x in dyn)
-        key = (treedef, tuple(dyn_idx), skey, avals, ctx, region_key, _config_key())
+        key = (treedef, tuple(dyn_idx), skey, avals, config, region_key, _config_key())
         entry = _cache.get(fn, key)
     if entry is None:
         _cache.misses += 1
-        entry = _build(fn, ctx, leaves, treedef, dyn_idx, region_stack)
+        entry = _build(fn, config, leaves, treedef, dyn_idx, region_stack)
         if key is not None and not any(_compat.is_tracer(c) for c in entry.consts):
             _cache.put(fn, key, entry)
     if _compat.is_staging():
@@ -240,7 +234,7 @@ def _run(
         # nested jit would be linearized and partially evaluated as a whole
         # under `grad`, which took more trace time than the step itself.
         # Eagerly (also under an eager grad or vmap) the jitted call is faster.
-        outs = iter(entry.run(*entry.consts, *dyn))
+        outs = iter(_compat.eval_closed_jaxpr(entry.transformed, *entry.consts, *dyn))
     else:
         outs = iter(entry.call(*entry.consts, *dyn))
     out_leaves = [
@@ -251,11 +245,18 @@ def _run(
 
 
 def trace_transformed(
-    fn: Callable[..., Any], ctx: CastContext, args: tuple, kwargs: dict
+    fn: Callable[..., Any],
+    config: CastConfig,
+    args: tuple,
+    kwargs: dict,
+    *,
+    observer: Observer | None = None,
 ) -> Any:
     """Builds (without caching or running) the transformed jaxpr of ``fn``.
 
-    Arguments may be ``jax.ShapeDtypeStruct``\\ s. Returns the closed jaxpr.
+    Arguments may be ``jax.ShapeDtypeStruct``\\ s. ``observer`` sees every
+    decision of the walk that builds it (``mixprec.explain``). Returns the
+    closed jaxpr.
     """
     leaves, treedef = jax.tree.flatten((args, kwargs))
     dyn_idx = [
@@ -263,7 +264,9 @@ def trace_transformed(
         for i, x in enumerate(leaves)
         if _is_dynamic(x) or isinstance(x, jax.ShapeDtypeStruct)
     ]
-    entry = _build(fn, ctx, leaves, treedef, dyn_idx, _current_region())
+    entry = _build(
+        fn, config, leaves, treedef, dyn_idx, _current_region(), observer=observer
+    )
     return entry.transformed
 
 
@@ -272,27 +275,40 @@ def autocast(
     policy: Policy | str | None = None,
     *,
     mode: str = "allow_mix_precision",
-    mixlist: Mapping[str, Any] | str | os.PathLike | None = None,
+    mixlist: Mapping[str, Any] | str | os.PathLike | OpLists | None = None,
     strict: bool = False,
-    forward_mode_ad: bool = False,
+    forward_mode_ad: bool | None = None,
 ) -> F:
     """Transforms ``fn`` to run in mixed precision, driven by op lists and a mode.
 
     The returned function has the signature and output structure of ``fn``. It
-    traces ``fn`` to a jaxpr and re-runs it op by op: allow-list ops (matmuls,
-    convolutions) run in the policy's compute dtype, deny-list ops (``exp``,
-    ``log``, reductions, softmax, norms, losses) in float32, gray ops follow
-    their inputs, and higher-order primitives (nested ``jit``, ``scan``,
-    ``while_loop``, ``cond``, ``checkpoint``, ``custom_jvp``/``custom_vjp``,
-    ``shard_map``) are entered and rebuilt. Floating outputs come back in
-    ``policy.output_dtype``; integers, booleans and PRNG keys are untouched.
-    Parameters are not cast up front: each op casts what it reads, so float32
-    master weights stay float32 and gradients come back in float32.
+    traces ``fn`` to a jaxpr and re-runs it equation by equation, deciding each
+    one's precision once:
+
+    * allow-list ops (matmuls, convolutions) round their operands to the
+      policy's compute dtype and accumulate in float32; a dot written with
+      ``precision=HIGHEST`` stays float32;
+    * deny-list ops (``exp``, ``log``, reductions, ``log_softmax``, ``jnp.var``,
+      norms) run in float32;
+    * gray ops (``add``, ``mul``, ``tanh``, ``where``...) run in the widest dtype
+      of their operands, except that an operand broadcast into the result (a
+      bias, a norm scale, a scalar) follows the others. So activations stay
+      16-bit while a float32 value the shape of the result (a residual stream,
+      a master weight, optimizer state) is never rounded: wrapping a whole
+      train step computes the weight update in float32;
+    * higher-order primitives (nested ``jit``, ``scan``, ``while_loop``,
+      ``cond``, ``checkpoint``, ``custom_jvp``/``custom_vjp``, ``shard_map``,
+      and any other primitive with a jaxpr parameter) are entered and rebuilt.
+
+    Floating outputs come back in ``policy.output_dtype``; integers, booleans and
+    PRNG keys are untouched. Parameters are not cast up front: each op casts
+    what it reads, and gradients come back in the parameters' dtype. The full
+    rule is in ``docs/autocast.md``.
 
     It composes with ``jax.jit``, ``jax.grad``, ``jax.value_and_grad``,
-    ``jax.vmap``, ``jax.checkpoint`` and itself (a nested autocast with its own
-    configuration wins inside). A second call with the same argument types does
-    not re-trace.
+    ``jax.jvp``, ``jax.vmap``, ``jax.checkpoint``, ``jax.export`` and itself (a
+    nested autocast with its own configuration wins inside). A second call with
+    the same argument types does not re-trace.
 
     Array arguments (``jax.Array``, NumPy arrays, tracers) are traced; every
     other leaf of the arguments (Python numbers, strings, ``None``, static
@@ -303,9 +319,9 @@ def autocast(
         * With ``policy=None`` the global policy is read when the wrapped
           function is called; under an outer ``jax.jit`` that is when the outer
           function is traced (JAX caches the trace, as for any global state).
-        * Use :func:`mixprec.float32_scope` (or a ``jax.named_scope`` named like
-          a composite, e.g. ``"layer_norm"``) for parts that must stay float32;
-          ``x.astype(jnp.float32)`` on a float32 value leaves no trace.
+        * Use :func:`mixprec.float32_scope` for parts that must stay float32;
+          ``x.astype(jnp.float32)`` on a float32 value leaves no trace. Your own
+          scope and layer names (``"norm"``, ``"mean"``) change nothing.
         * A primitive in no op list and without a rule runs at the dtypes it was
           traced with; ``strict=True`` raises instead.
         * Loop carries keep the wider of their traced and received dtypes, so a
@@ -316,25 +332,32 @@ def autocast(
         policy: a :class:`mixprec.Policy` or a string for
             :func:`mixprec.get_policy` (``"mixed_bfloat16"``,
             ``"p=f32,c=bf16,o=f32"``). None: the global policy at call time.
-        mode: the precision mode (seed 003): ``"allow_mix_precision"`` (default),
+        mode: the precision mode: ``"allow_mix_precision"`` (default),
             ``"allow_mix_precision_bf16"``, ``"allow_fp32_to_fp16"``,
             ``"allow_fp32_to_bf16"``, ``"force_fp16"``, ``"force_fp32"``,
             ``"must_keep_origin_dtype"``.
         mixlist: edits to the default op lists: a dict, a JSON string or a path
-            to a JSON file (see :func:`mixprec.modify_mixlist`).
+            to a JSON file (see :func:`mixprec.modify_mixlist`), or the
+            :class:`mixprec.OpLists` to use.
         strict: raise ``NotImplementedError`` (naming the primitive and the user
             source line) for a primitive that is in no op list and has no rule,
-            instead of treating it as gray.
-        forward_mode_ad: formulate low-precision dots without a ``custom_vjp``,
-            so that ``jax.jvp``/``jax.jacfwd`` work through the result. By
-            default (False) dots use a ``custom_vjp`` whose backward dots are
-            low precision too, which is faster for reverse mode on CPU.
+            instead of running it as written.
+        forward_mode_ad: how low-precision dots are formulated on CPU. ``None``
+            (default): decided per call. Under reverse-mode AD (``jax.grad``,
+            ``jax.vjp``) each dot is a ``custom_vjp`` whose backward dots are
+            low precision too (XLA:CPU would run JAX's own transposes, which
+            take a float32 cotangent, in float32); elsewhere, and under
+            ``jax.jvp``/``jax.jacfwd`` (which cannot differentiate a
+            ``custom_vjp``), plain dots. A whole train step wrapped in
+            autocast already holds its backward dots, so it needs none.
+            ``True``: never use a ``custom_vjp``. ``False``: always.
 
     Returns:
         The transformed function.
 
     Raises:
-        TypeError: ``fn`` is not callable.
+        TypeError: ``fn`` is not callable, or ``strict``/``forward_mode_ad`` is
+            not a bool.
         ValueError: unknown ``mode`` or policy, or a bad ``mixlist``.
 
     Examples:
@@ -348,6 +371,8 @@ def autocast(
         (Array(24., dtype=float32), dtype('float32'))
         >>> jax.grad(f)(w, x).dtype
         dtype('float32')
+        >>> jax.jvp(f, (w, x), (w, x))[1].dtype
+        dtype('float32')
         >>> jax.jit(jax.vmap(f, in_axes=(None, 0)))(w, x[:, None]).shape
         (2,)
     """
@@ -355,49 +380,56 @@ def autocast(
         raise TypeError(
             f"`autocast(fn, ...)` expects a callable, got {type(fn).__name__} instead."
         )
-    validate_mode(mode)
-    fixed_policy = None if policy is None else get_policy(policy)
-    lists = default_op_lists()
-    if mixlist is not None:
-        from mixprec._src.autocast.mixlist import modify_mixlist
-
-        lists = modify_mixlist(lists, mixlist)
-    make = ft.partial(
-        interpreter.make_context,
-        mode=mode,
-        strict=strict,
-        forward_mode_ad=forward_mode_ad,
-        lists=lists,
-    )
-    fixed_ctx = None if fixed_policy is None else make(fixed_policy)
+    if forward_mode_ad is not None and not isinstance(forward_mode_ad, bool):
+        raise TypeError(
+            "`autocast(..., forward_mode_ad=...)` must be None, True or False, got "
+            f"{forward_mode_ad!r} ({type(forward_mode_ad).__name__}) instead."
+        )
+    make = ft.partial(make_config, mode=mode, strict=strict, mixlist=mixlist)
+    fixed = None if policy is None else make(policy)
+    if policy is None:
+        make(get_global_policy())  # validate the arguments now
 
     @ft.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        ctx = (
-            fixed_ctx if fixed_ctx is not None else _ctx_for(make, get_global_policy())
-        )
+        config = fixed if fixed is not None else _config_for(make, get_global_policy())
+        ad = _compat.ad_mode()
+        if forward_mode_ad is None:
+            vjp_dots = ad == "reverse"
+        else:
+            vjp_dots = not forward_mode_ad
+            if vjp_dots and ad == "forward":
+                raise TypeError(
+                    "`autocast(..., forward_mode_ad=False)` formulates every dot "
+                    "with a `jax.custom_vjp`, which forward-mode AD (`jax.jvp`, "
+                    "`jax.jacfwd`) cannot differentiate. Pass "
+                    "`forward_mode_ad=None` (the default: decided per call) or "
+                    "`True`."
+                )
+        if vjp_dots != config.custom_vjp_dots:
+            config = dataclasses.replace(config, custom_vjp_dots=vjp_dots)
         active = _active.get()
         if active is not None:
             # Nested inside another autocast being traced: let the outer
             # interpreter run our ops, in a region with our configuration.
-            if active == ctx:
+            if active == config:
                 return fn(*args, **kwargs)
-            with jax.named_scope(regions.context_marker(ctx)):
+            with jax.named_scope(regions.context_marker(config)):
                 return fn(*args, **kwargs)
-        return _run(fn, ctx, args, kwargs)
+        return _run(fn, config, args, kwargs)
 
     wrapped.__mixprec_autocast__ = True  # type: ignore[attr-defined]
     return wrapped  # type: ignore[return-value]
 
 
-_ctx_memo: dict[Any, CastContext] = {}
+_config_memo: dict[Any, CastConfig] = {}
 
 
-def _ctx_for(make: Callable[..., CastContext], policy: Policy) -> CastContext:
+def _config_for(make: Callable[..., CastConfig], policy: Policy) -> CastConfig:
     key = (make, policy)
-    ctx = _ctx_memo.get(key)
-    if ctx is None:
-        ctx = make(policy)
-        if len(_ctx_memo) < 1024:
-            _ctx_memo[key] = ctx
-    return ctx
+    config = _config_memo.get(key)
+    if config is None:
+        config = make(policy)
+        if len(_config_memo) < 1024:
+            _config_memo[key] = config
+    return config

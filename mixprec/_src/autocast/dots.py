@@ -243,13 +243,21 @@ def _contract(
         a_free, b_free = b_free, a_free
         if isinstance(precision, tuple):
             precision = precision[::-1]
+    if not all(isinstance(d, int) for d in sizes.values()):
+        # Symbolic dimensions (``jax.export`` with a polymorphic batch): the
+        # canonical layout needs concrete sizes; the rounded operands give the
+        # same numbers through a float32 dot.
+        native = False
     mm_labels = [*batch, *a_free, *b_free]
     bshape = [sizes[lab] for lab in batch]
     mshape = [sizes[lab] for lab in a_free]
     nshape = [sizes[lab] for lab in b_free]
-    m, n = math.prod(mshape), math.prod(nshape)
-    k = math.prod(sizes[lab] for lab in contract)
-    if not native or min(m, n) <= 1 or max(m, n, k) < _MIN_NATIVE_DIM:
+    m = n = k = 0
+    if native:
+        m, n = math.prod(mshape), math.prod(nshape)
+        k = math.prod(sizes[lab] for lab in contract)
+        native = min(m, n) > 1 and max(m, n, k) >= _MIN_NATIVE_DIM
+    if not native:
         # float16, matrix-vector and tiny products have no low-precision kernel
         # on XLA:CPU (they run in float32 either way): skip the layout work.
         return _upcast_contract(

@@ -1,57 +1,59 @@
-"""The autocast interpreter: re-runs a jaxpr equation by equation with cast rules.
+"""The autocast interpreter: one walk over a jaxpr for autocast, explain and diagnose.
 
 :func:`eval_jaxpr` walks a jaxpr like ``jax.core.eval_jaxpr`` (literals read
-through ``read``, ``zip(strict=True)``, each equation under its user source
-context and ``eqn.ctx.manager``), decides each equation's precision with
-:func:`decide_eqn` and runs it with the rule from ``rules._cast_rules``.
+directly, ``zip(strict=True)``, each equation under its user source context and
+``eqn.ctx.manager``). For each equation it:
 
-It also tracks, per variable, whether the value comes straight from a parameter,
-constant or literal (``from_param``): such float32 values follow the half
-operand of gray ops (``bf16 activation + f32 bias`` stays bf16). On CPU, where a
-dot's product is float32 before rounding, such a bias add right after a dot runs
-on the float32 product instead and is rounded once (:func:`_dot_epilogue`).
+1. finds the op's entry in the op table (:mod:`~mixprec._src.autocast.ops`);
+2. for a higher-order primitive, hands the equation to its rule, which walks the
+   body with this same interpreter;
+3. otherwise decides the precision once (:func:`~mixprec._src.autocast.decide.decide`,
+   adjusted for the region the equation is in) and runs the op's rule with the
+   :class:`Decision`;
+4. tells the observer, if there is one, what ran.
 
-The numerics tools build on :func:`make_context`, :func:`apply_eqn`,
-:func:`decide_eqn` and :func:`trace_records`.
+Three clients share the walk. :func:`mixprec.autocast` stages the result out.
+``mixprec.explain`` adds an observer that records each decision while the same
+transformed jaxpr is traced. ``mixprec.diagnose`` runs the walk on concrete
+``Dual`` values (a float32 reference and the autocast value side by side): each
+equation also runs as written on the reference, loops are stepped and branches
+taken concretely, and the observer compares the two.
+
+Per variable the walk keeps two marks: ``FOLLOWS`` (broadcast into its consumers:
+a bias, a scale, a scalar) and ``CONST`` (computed from constants only). The
+first decides which operands anchor a gray op; the second makes casts of
+constants saturate.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
-import math
+import functools as ft
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple, Protocol
 
-import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.extend import source_info_util as siu
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal
 
 from mixprec._src import _compat
-from mixprec._src.autocast import regions, rules
-from mixprec._src.autocast.modes import (
-    Decision,
-    decide,
-    effective_low_dtype,
-    validate_mode,
-)
-from mixprec._src.autocast.op_lists import HIGHER_ORDER, OpLists, default_op_lists
-from mixprec._src.autocast.rules import CastContext, dtype_of, is_floating
-from mixprec._src.policy import Policy, get_global_policy, get_policy
+from mixprec._src.autocast import ops, regions
+from mixprec._src.autocast.config import CastConfig
+from mixprec._src.autocast.decide import Decision, Precision, decide
 
 
 __all__ = [
+    "CONST",
+    "FOLLOWS",
     "CastContext",
-    "EqnRecord",
-    "apply_eqn",
-    "decide_eqn",
+    "Dual",
+    "Observer",
+    "Walk",
     "eval_jaxpr",
-    "make_context",
-    "trace_records",
 ]
 
 # Equations created by mixprec point at the user code that caused them.
@@ -59,270 +61,296 @@ siu.register_exclusion(os.path.dirname(os.path.dirname(os.path.dirname(__file__)
 
 _F32 = np.dtype(np.float32)
 
-# True while a higher-order rule traces a body only to learn its output dtypes.
-_probing: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "mixprec_probing", default=False
-)
+#: The value is broadcast into its consumers (bias, scale, scalar): it follows.
+FOLLOWS = 1
+#: The value is computed from literals and constants only.
+CONST = 2
 
 
-@contextlib.contextmanager
-def probing() -> Iterator[None]:
-    """Suppresses records while a body is traced only for its output types."""
-    token = _probing.set(True)
-    try:
-        yield
-    finally:
-        _probing.reset(token)
+class Dual(NamedTuple):
+    """A float32 reference value and the autocast value of one variable."""
+
+    ref: Any
+    mix: Any
 
 
-@dataclasses.dataclass(frozen=True)
-class EqnRecord:
-    """What autocast did with one equation (for ``mixprec.explain``).
+class Observer(Protocol):
+    """What ``explain`` and ``diagnose`` plug into the walk."""
 
-    Attributes:
-        primitive: the primitive name (``"dot_general"``), or the composite name
-            for a recognised nested function run as a whole.
-        source: ``"file.py:LINE (function)"`` of the user code, or ``""``.
-        path: the nesting, e.g. ``"jit(f)/scan/body"`` (``""`` at top level).
-        in_dtypes: the dtypes the op ran with (after casts), as strings.
-        out_dtypes: the dtypes of its results, as strings.
-        in_shapes: the input shapes.
-        out_shapes: the output shapes.
-        op_class: ``"allow"``, ``"deny"``, ``"infer"`` or ``"clear"``.
-        decision: ``"low"``, ``"float32"`` or ``"original"``.
-        dtype: the dtype floating inputs were cast to, or None.
-        reason: why (list, mode, region, rule).
-        flops: an estimate of the floating-point operations (times the trip
-            count of an enclosing ``scan``).
+    def on_eqn(
+        self,
+        walk: Walk,
+        eqn: JaxprEqn,
+        decision: Decision,
+        ran_with: Sequence[Any],
+        invals: Sequence[Any],
+        outs: Sequence[Any],
+        rerun: Callable[[Sequence[Any]], list[Any]] | None = None,
+    ) -> None:
+        """Called after a (first-order) equation ran. In a dual walk ``invals``
+        and ``outs`` hold :class:`Dual` values, and ``rerun(values)`` runs the
+        equation again with the same decision on other (plain) operands."""
 
-    Examples:
-        >>> import jax.numpy as jnp
-        >>> from mixprec._src.autocast.interpreter import trace_records
-        >>> recs = trace_records(lambda x: jnp.exp(x @ x), jnp.ones((2, 2)),
-        ...                      policy="mixed_bfloat16")
-        >>> [(r.primitive, r.decision) for r in recs]
-        [('dot_general', 'low'), ('exp', 'float32')]
+    def on_note(self, walk: Walk, eqn: JaxprEqn, text: str) -> None:
+        """Called when a dual walk cannot compare part of a function."""
+
+
+# ------------------------------------------------------------------ the walk
+
+
+class Walk:
+    """Where the interpreter is: configuration, region, path, observer.
+
+    A new ``Walk`` is made for each body the interpreter enters (cheap: plain
+    slots, no copying of the configuration).
     """
 
-    primitive: str
-    source: str
-    path: str
-    in_dtypes: tuple[str, ...]
-    out_dtypes: tuple[str, ...]
-    in_shapes: tuple[tuple[int, ...], ...]
-    out_shapes: tuple[tuple[int, ...], ...]
-    op_class: str
-    decision: str
-    dtype: str | None
-    reason: str
-    flops: int
-
-
-# ------------------------------------------------------------------ contexts
-
-
-def _platform() -> str:
-    return jax.default_backend()
-
-
-def make_context(
-    policy: Policy | str | None = None,
-    *,
-    mode: str = "allow_mix_precision",
-    mixlist: Any = None,
-    strict: bool = False,
-    forward_mode_ad: bool = False,
-    lists: OpLists | None = None,
-    recorder: list | None = None,
-) -> CastContext:
-    """Builds the :class:`CastContext` that :func:`mixprec.autocast` would use.
-
-    Args:
-        policy: a policy or policy string; None means the global policy.
-        mode: the precision mode.
-        mixlist: a ``modify_mixlist`` spec (dict, JSON string or path) applied
-            to the default lists, or None.
-        strict: raise for primitives in no list.
-        forward_mode_ad: formulate dots so that forward-mode AD works.
-        lists: start from these lists instead of the defaults.
-        recorder: a list to receive :class:`EqnRecord` objects.
-
-    Returns:
-        The context.
-
-    Examples:
-        >>> ctx = make_context("mixed_float16", mode="allow_mix_precision_bf16")
-        >>> ctx.low_dtype
-        dtype(bfloat16)
-    """
-    pol = get_global_policy() if policy is None else get_policy(policy)
-    validate_mode(mode)
-    base = default_op_lists() if lists is None else lists
-    if mixlist is not None:
-        from mixprec._src.autocast.mixlist import modify_mixlist
-
-        base = modify_mixlist(base, mixlist)
-    return CastContext(
-        policy=pol,
-        mode=mode,
-        lists=base,
-        low_dtype=effective_low_dtype(mode, pol.compute_dtype),
-        strict=bool(strict),
-        platform=_platform(),
-        recorder=recorder,
-        forward_mode_ad=bool(forward_mode_ad),
+    __slots__ = (
+        "backward",
+        "composite",
+        "config",
+        "current",
+        "dual",
+        "float32",
+        "observer",
+        "parent_source",
+        "path",
+        "probing",
+        "scalars",
+        "trip",
+        "wide",
     )
 
+    def __init__(
+        self,
+        config: CastConfig,
+        *,
+        observer: Observer | None = None,
+        dual: bool = False,
+        path: str = "",
+        trip: int = 1,
+        float32: bool = False,
+        composite: str = "",
+        backward: bool = False,
+        probing: bool = False,
+        parent_source: str = "",
+    ) -> None:
+        self.config = config
+        self.observer = observer
+        self.dual = dual
+        self.path = path
+        self.trip = trip
+        self.float32 = float32
+        self.composite = composite
+        self.backward = backward
+        self.probing = probing
+        # The user source line of the higher-order equation around this body
+        # (for equations without one of their own), and the equation being run.
+        self.parent_source = parent_source
+        self.current: JaxprEqn | None = None
+        # Float32 products of this jaxpr's CPU dots, by the dot's outvar, for
+        # a bias add that follows (see `_epilogue`).
+        self.wide: dict[Any, Any] = {}
+        # The value of constants that are a scalar broadcast, reshaped or
+        # converted (`jnp.full(shape, finfo.min)`), by outvar: a cast of one
+        # saturates that scalar instead of emitting a clamp.
+        self.scalars: dict[Any, Any] = {}
 
-def with_policy(ctx: CastContext, policy: Policy) -> CastContext:
-    """``ctx`` with another policy (and the low dtype that follows from it)."""
-    return dataclasses.replace(
-        ctx,
-        policy=policy,
-        low_dtype=effective_low_dtype(ctx.mode, policy.compute_dtype),
-    )
+    def _copy(self, **changes: Any) -> Walk:
+        kw = {
+            "observer": self.observer,
+            "dual": self.dual,
+            "path": self.path,
+            "trip": self.trip,
+            "float32": self.float32,
+            "composite": self.composite,
+            "backward": self.backward,
+            "probing": self.probing,
+            "parent_source": self.parent_source,
+        }
+        config = changes.pop("config", self.config)
+        kw.update(changes)
+        return Walk(config, **kw)
 
+    def body(self, label: str, *, trip: int = 1, composite: str | None = None) -> Walk:
+        """The walk for the body ``label`` of a higher-order equation."""
+        path = f"{self.path}/{label}" if self.path else label
+        changes: dict[str, Any] = {"path": path, "trip": self.trip * _trip(trip)}
+        if self.observer is not None and self.current is not None:
+            here = _compat.eqn_source_summary(self.current.source_info)
+            changes["parent_source"] = here or self.parent_source
+        if composite is not None and not self.float32:
+            changes["composite"] = composite
+        return self._copy(**changes)
 
-def sub_context(ctx: CastContext, path: str, *, trip_count: int = 1) -> CastContext:
-    """The context for the body of a higher-order equation at ``path``."""
-    full = f"{ctx.path}/{path}" if ctx.path else path
-    return dataclasses.replace(
-        ctx,
-        path=full,
-        trip_count=ctx.trip_count * max(int(trip_count), 1),
-        eqn=None,
-        decision=None,
-        from_param=(),
-    )
+    def probe(self) -> Walk:
+        """A walk that observes nothing (a body traced only for its types)."""
+        return self._copy(observer=None, probing=True, dual=False)
 
+    def staged(self) -> Walk:
+        """The same walk on plain (not dual) values."""
+        return self._copy(dual=False, observer=None)
 
-def region_context(ctx: CastContext, eqn: JaxprEqn) -> CastContext:
-    """``ctx`` adjusted for the region (if any) named in ``eqn``'s name stack."""
-    stack = eqn.source_info.name_stack
-    if not stack:
-        return ctx
-    found = regions.parse_name_stack(str(stack))
-    if found is None:
-        return ctx
-    kind, value = found
-    if kind == "float32":
-        if ctx.region == "float32":
-            return ctx
-        return dataclasses.replace(ctx, region="float32", composite="")
-    if kind == "policy":
-        return dataclasses.replace(with_policy(ctx, value), region="", composite="")
-    if kind == "ctx":
-        return dataclasses.replace(
-            value,
-            recorder=ctx.recorder,
-            path=ctx.path,
-            trip_count=ctx.trip_count,
+    @property
+    def key(self) -> tuple[Any, ...]:
+        """What decides how a body is transformed (for caches)."""
+        return (self.config, self.float32, self.composite, self.backward)
+
+    def for_eqn(self, eqn: JaxprEqn) -> Walk:
+        """This walk, adjusted for the region and pass ``eqn`` is in."""
+        region, backward = _stack_info(eqn.source_info.name_stack)
+        if region is None and (not backward or self.backward):
+            return self
+        walk = self
+        if backward and not self.backward:
+            walk = walk._copy(backward=True)
+        if region is None:
+            return walk
+        kind, value = region
+        if kind == "float32":
+            return walk._copy(float32=True, composite="")
+        if kind == "policy":
+            return walk._copy(
+                config=walk.config.with_policy(value), float32=False, composite=""
+            )
+        return walk._copy(config=value, float32=False, composite="")
+
+    # -- deciding ----------------------------------------------------------
+    def decide(
+        self,
+        eqn: JaxprEqn,
+        spec: ops.OpSpec | None,
+        invals: Sequence[Any],
+        marks: Sequence[int],
+    ) -> Decision:
+        """The precision of ``eqn`` with these operands, in this walk."""
+        name = eqn.primitive.name
+        cfg = self.config
+        if self.float32:
+            return Decision(
+                Precision.ORIGINAL,
+                None,
+                cfg.lists.classify(name),
+                "inside mixprec.float32_scope(): as written",
+            )
+        if spec is None and name not in cfg.lists.names():
+            if cfg.strict:
+                _raise_unclassified(cfg, eqn)
+            return Decision(
+                Precision.ORIGINAL,
+                None,
+                "infer",
+                "in no op list and no rule: runs as written",
+            )
+        if spec is not None and ops.OPAQUE in spec.flags:
+            return Decision(Precision.ORIGINAL, None, "clear", spec.reason)
+        if name == "mul" and _is_square(eqn):
+            name = "square"
+            spec = ops.spec_for("square")
+        lookup = self.composite or name
+        op_class = cfg.lists.classify(lookup)
+        flags = spec.flags if spec is not None and not self.composite else frozenset()
+        out_aval: Any = eqn.outvars[0].aval if eqn.outvars else None
+        out_shape = getattr(out_aval, "shape", ())
+        operands = tuple(
+            (_float_dtype(x), _follows(v, x, m, out_shape))
+            for v, x, m in zip(eqn.invars, invals, marks, strict=True)
         )
-    # a composite named by a module scope / named_scope
-    if ctx.composite == value or ctx.region == "float32":
-        return ctx
-    return dataclasses.replace(ctx, composite=value)
-
-
-# ------------------------------------------------------------------ decisions
-
-
-def decide_eqn(
-    ctx: CastContext,
-    eqn: JaxprEqn,
-    in_dtypes: Sequence[Any],
-    from_param: Sequence[bool] = (),
-) -> Decision:
-    """Decides how ``eqn`` runs, given the dtypes its inputs arrive in.
-
-    Wraps :func:`mixprec._src.autocast.modes.decide` with the regions
-    (:func:`mixprec.float32_scope`, :func:`mixprec.precision_scope`, composite
-    module scopes) and the op-list overrides of ``ctx``.
-
-    Args:
-        ctx: the context (as from :func:`make_context`).
-        eqn: the jaxpr equation.
-        in_dtypes: the dtypes of its inputs, in order.
-        from_param: per input, whether it comes straight from a parameter,
-            constant or literal.
-
-    Returns:
-        The :class:`Decision`.
-
-    Examples:
-        >>> import jax, jax.numpy as jnp
-        >>> jaxpr = jax.make_jaxpr(lambda x: jnp.exp(x))(jnp.ones(2))
-        >>> ctx = make_context("mixed_bfloat16")
-        >>> decide_eqn(ctx, jaxpr.eqns[0], [jnp.dtype(jnp.bfloat16)]).dtype
-        dtype('float32')
-    """
-    ctx = region_context(ctx, eqn)
-    return _decide(ctx, eqn, in_dtypes, from_param)
-
-
-_OPAQUE = np.dtype(np.uint32)
-
-
-def _plain_dtype(dtype: Any) -> np.dtype:
-    """NumPy dtype for ``decide``: extended dtypes (PRNG keys) become opaque."""
-    if isinstance(dtype, np.dtype):
-        return dtype
-    try:
-        if jnp.issubdtype(dtype, jax.dtypes.extended):
-            return _OPAQUE
-        return np.dtype(dtype)
-    except TypeError:
-        return _OPAQUE
-
-
-def _decide(
-    ctx: CastContext,
-    eqn: JaxprEqn,
-    in_dtypes: Sequence[Any],
-    from_param: Sequence[bool],
-) -> Decision:
-    name = eqn.primitive.name
-    in_dtypes = [_plain_dtype(d) for d in in_dtypes]
-    if ctx.region == "float32":
-        return Decision(
-            ctx.lists.classify(name),
-            None,
-            "inside mixprec.float32_scope(): original precision",
-        )
-    if eqn.primitive not in rules._cast_rules and not _known(ctx, name):
-        if ctx.strict:
-            _check_classified(ctx, eqn)
-        return Decision("infer", None, rules._ORIGINAL_REASON)
-    if ctx.composite:
         d = decide(
-            ctx.composite,
-            in_dtypes,
-            mode=ctx.mode,
-            lists=ctx.lists,
-            low_dtype=ctx.low_dtype,
-            from_param=from_param,
+            lookup,
+            operands,
+            op_class=op_class,
+            mode=cfg.mode,
+            low=cfg.low_dtype,
+            flags=flags,
+            backward=self.backward,
+            high_precision=_asks_high_precision(eqn),
+            traced_out=_float_dtype(out_aval) if op_class == "allow" else None,
         )
-        if d.dtype is None and ctx.lists.classify(name) == "clear":
-            return d
-        return Decision(d.op_class, d.dtype, f"inside {ctx.composite}: {d.reason}")
-    return decide(
-        name,
-        in_dtypes,
-        mode=ctx.mode,
-        lists=ctx.lists,
-        low_dtype=ctx.low_dtype,
-        from_param=from_param,
-    )
+        if self.composite:
+            return dataclasses.replace(
+                d, reason=f"inside {self.composite} (a JAX composite): {d.reason}"
+            )
+        if name == "square" and eqn.primitive.name == "mul":
+            return dataclasses.replace(
+                d, reason=f"mul of a value by itself: {d.reason}"
+            )
+        return d
 
 
-def _known(ctx: CastContext, name: str) -> bool:
-    return name in HIGHER_ORDER or name in ctx.lists.names()
+def _trip(n: Any) -> int:
+    try:
+        return max(int(n), 1)
+    except Exception:  # noqa: BLE001  (a symbolic length)
+        return 1
 
 
-def _check_classified(ctx: CastContext, eqn: JaxprEqn) -> None:
+@ft.lru_cache(maxsize=8192)
+def _stack_info(name_stack: Any) -> tuple[tuple[str, Any] | None, bool]:
+    text = str(name_stack)
+    if not text:
+        return None, False
+    return regions.parse_name_stack(text), "transpose(" in text
+
+
+def _is_square(eqn: JaxprEqn) -> bool:
+    a, b = eqn.invars
+    return a is b and not isinstance(a, Literal)
+
+
+def _float_dtype(x: Any) -> np.dtype | None:
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        if isinstance(x, float):
+            return _F32
+        return None
+    try:
+        if not jnp.issubdtype(dtype, jnp.floating):
+            return None
+    except TypeError:  # extended dtypes (PRNG keys)
+        return None
+    return np.dtype(dtype)
+
+
+def aval_shape(var: Any) -> tuple[Any, ...]:
+    """The shape of a jaxpr variable (``()`` for tokens and other non-arrays)."""
+    return tuple(getattr(var.aval, "shape", ()))
+
+
+def aval_dtype(var: Any) -> Any:
+    """The dtype of a jaxpr variable (``None`` for tokens and other non-arrays)."""
+    return getattr(var.aval, "dtype", None)
+
+
+def _same_shape(a: Sequence[Any], b: Sequence[Any]) -> bool:
+    try:
+        return tuple(a) == tuple(b)
+    except Exception:  # noqa: BLE001  (undecidable symbolic dimensions)
+        return False
+
+
+def _follows(var: Any, x: Any, mark: int, out_shape: Sequence[Any]) -> bool:
+    if mark & FOLLOWS:
+        return True
+    aval = var.aval
+    if getattr(aval, "weak_type", False):
+        return True
+    return not _same_shape(getattr(aval, "shape", ()), out_shape)
+
+
+def _asks_high_precision(eqn: JaxprEqn) -> bool:
+    precision = eqn.params.get("precision")
+    if precision is None:
+        return False
+    items = precision if isinstance(precision, tuple | list) else (precision,)
+    high = (lax.Precision.HIGH, lax.Precision.HIGHEST)
+    return any(p in high for p in items)
+
+
+def _raise_unclassified(cfg: CastConfig, eqn: JaxprEqn) -> None:
     name = eqn.primitive.name
     try:
-        ctx.lists.classify(name, strict=True)
+        cfg.lists.classify(name, strict=True)
     except NotImplementedError:
         where = _compat.eqn_source_summary(eqn.source_info) or "unknown location"
         raise NotImplementedError(
@@ -334,240 +362,398 @@ def _check_classified(ctx: CastContext, eqn: JaxprEqn) -> None:
         ) from None
 
 
-# ------------------------------------------------------------------ running
+# ------------------------------------------------------------------ rules' view
 
 
-def _label(ctx: CastContext, decision: Decision | None) -> str:
-    if decision is None or decision.dtype is None:
-        return "original"
-    if decision.dtype == ctx.low_dtype and ctx.low_dtype != _F32:
-        return "low"
-    if decision.dtype == _F32:
-        return "float32"
-    return "original"
+@dataclasses.dataclass(frozen=True)
+class CastContext:
+    """What a cast rule receives about the equation it runs.
+
+    A rule is called as ``rule(ctx, *invals, **params)`` with the values the
+    equation receives (possibly already in a low dtype) and the equation's
+    params, and returns the output (a list for primitives with several
+    results). ``ctx.decision`` says what to cast the floating operands to;
+    :meth:`cast_operands` applies it the way the built-in rules do.
+
+    Attributes:
+        config: the transform's :class:`~mixprec._src.autocast.config.CastConfig`.
+        eqn: the equation being run.
+        decision: its :class:`~mixprec._src.autocast.decide.Decision`.
+        walk: where the interpreter is (higher-order rules recurse with it).
+        marks: per operand, the interpreter's marks (``FOLLOWS``, ``CONST``).
+        out_marks: higher-order rules may fill in the marks of their results.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> import mixprec
+        >>> from jax.extend.core import Primitive
+        >>> triple_p = Primitive("triple")
+        >>> triple_p.def_impl(lambda x: 3 * x)
+        <function <lambda> ...>
+        >>> triple_p.def_abstract_eval(lambda x: x)
+        <function <lambda> ...>
+        >>> @mixprec.register_rule(triple_p)
+        ... def _triple_rule(ctx, x):
+        ...     return triple_p.bind(*ctx.cast_operands([x]))
+        >>> f = mixprec.autocast(lambda x: triple_p.bind(x @ x), "mixed_bfloat16")
+        >>> jaxpr = jax.make_jaxpr(f)(jnp.ones((2, 2)))
+        >>> [str(e.outvars[0].aval.dtype)
+        ...  for e in jaxpr.eqns if e.primitive is triple_p]
+        ['bfloat16']
+    """
+
+    config: CastConfig
+    eqn: JaxprEqn
+    decision: Decision
+    walk: Walk
+    marks: Sequence[int]
+    out_marks: list[int]
+
+    @property
+    def policy(self) -> Any:
+        """The policy in effect."""
+        return self.config.policy
+
+    @property
+    def low_dtype(self) -> np.dtype:
+        """The dtype allow-list ops run in."""
+        return self.config.low_dtype
+
+    @property
+    def platform(self) -> str:
+        """The backend dots are formulated for."""
+        return self.config.platform
+
+    def cast_operands(self, invals: Sequence[Any]) -> list[Any]:
+        """The operands cast as the decision says (see :func:`cast_operands`)."""
+        return cast_operands(self, invals)
 
 
-def _aval(v: Any) -> Any:
-    return v.aval
-
-
-def _shape(x: Any) -> tuple[int, ...]:
-    return tuple(int(d) for d in np.shape(x))
-
-
-def _flops(eqn: JaxprEqn, outs: Sequence[Any]) -> int:
-    name = eqn.primitive.name
-    try:
-        if name == "dot_general":
-            (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-            lhs: Any
-            rhs: Any
-            lhs, rhs = (v.aval for v in eqn.invars)
-            rfree = [d for i, d in enumerate(rhs.shape) if i not in rc and i not in rb]
-            return 2 * math.prod(lhs.shape) * math.prod(rfree)
-        if name == "conv_general_dilated":
-            rhs = eqn.invars[1].aval
-            out: Any = eqn.outvars[0].aval
-            dn = eqn.params["dimension_numbers"]
-            o = rhs.shape[dn.rhs_spec[0]] if dn is not None else rhs.shape[0]
-            return 2 * math.prod(out.shape) * (math.prod(rhs.shape) // max(o, 1))
-    except (AttributeError, KeyError, TypeError, ValueError):
-        pass
-    return int(sum(math.prod(_shape(o)) for o in outs if is_floating(o)))
-
-
-def _record(
-    ctx: CastContext,
-    eqn: JaxprEqn,
-    ran_with: Sequence[Any],
-    outs: Sequence[Any],
-    decision: Decision | None,
-    *,
-    primitive: str | None = None,
-) -> None:
-    if ctx.recorder is None or _probing.get():
-        return
-    ctx.recorder.append(
-        EqnRecord(
-            primitive=primitive or eqn.primitive.name,
-            source=_compat.eqn_source_summary(eqn.source_info),
-            path=ctx.path,
-            in_dtypes=tuple(str(d) for d in ran_with),
-            out_dtypes=tuple(str(dtype_of(o)) for o in outs),
-            in_shapes=tuple(_shape(_aval(v)) for v in eqn.invars),
-            out_shapes=tuple(_shape(o) for o in outs),
-            op_class=decision.op_class if decision is not None else "clear",
-            decision=_label(ctx, decision),
-            dtype=None
-            if decision is None or decision.dtype is None
-            else str(decision.dtype),
-            reason=decision.reason if decision is not None else "",
-            flops=_flops(eqn, outs) * ctx.trip_count,
+def clip_to_range(x: Any, dtype: Any) -> Any:
+    """``x`` (same dtype) with finite values clipped to ``dtype``'s finite range;
+    infinities and NaNs are kept."""
+    big = float(jnp.finfo(dtype).max)
+    if isinstance(x, np.ndarray | np.generic | float):
+        arr = np.asarray(x)
+        return np.where(np.isfinite(arr), np.clip(arr, -big, big), arr).astype(
+            arr.dtype
         )
-    )
+    return jnp.where(jnp.isinf(x), x, jnp.clip(x, -big, big))
 
 
-def record_composite(
-    ctx: CastContext,
-    eqn: JaxprEqn,
-    name: str,
-    invals: Sequence[Any],
-    outs: Sequence[Any],
-    decision: Decision,
-) -> None:
-    """Records a nested function recognised as composite ``name``."""
-    ran = [
-        decision.dtype
-        if (decision.dtype is not None and is_floating(x))
-        else dtype_of(x)
-        for x in invals
-    ]
-    _record(ctx, eqn, ran, outs, decision, primitive=name)
+def cast(x: Any, dtype: Any, *, saturate: bool = False) -> Any:
+    """Casts one floating value to ``dtype`` (no-op if it already has it).
+
+    NumPy values (the values of jaxpr ``Literal`` s) stay NumPy, so that they are
+    staged out as literals rather than as a ``convert_element_type``. With
+    ``saturate``, finite values beyond ``dtype``'s range become its largest
+    finite value instead of ``inf``.
+    """
+    dtype = np.dtype(dtype)
+    dt = _float_dtype(x)
+    if dt is None or dt == dtype:
+        return x
+    if saturate and dtype.itemsize < dt.itemsize:
+        x = clip_to_range(x, dtype)
+    if isinstance(x, np.ndarray | np.generic | float):
+        return np.asarray(x, dtype=dtype)
+    return lax.convert_element_type(x, dtype)
 
 
-def _ran_with(ctx: CastContext, eqn: JaxprEqn, invals: Sequence[Any], d: Decision):
+def cast_operands(ctx: CastContext, invals: Sequence[Any]) -> list[Any]:
+    """Casts the floating operands of ``ctx.eqn`` as ``ctx.decision`` says.
+
+    ``ORIGINAL`` casts them back to the dtypes they were traced with; a
+    decision dtype casts them to it. Casting down, a constant saturates, and an
+    operand of an elementwise op that is broadcast into the result is broadcast
+    first, so that the transpose (its gradient) sums in the wider dtype.
+    """
+    d = ctx.decision
+    eqn = ctx.eqn
+    if d.precision is Precision.ORIGINAL:
+        return [
+            cast(x, aval_dtype(v)) if _float_dtype(x) is not None else x
+            for x, v in zip(invals, eqn.invars, strict=True)
+        ]
+    if d.dtype is None:
+        return list(invals)
+    target = d.dtype
+    out_shape = aval_shape(eqn.outvars[0]) if eqn.outvars else ()
+    spec = ops.spec_for(eqn.primitive.name)
+    elementwise = spec is not None and ops.BROADCASTS in spec.flags
     out = []
-    for x, v in zip(invals, eqn.invars, strict=True):
-        if not is_floating(x):
-            out.append(dtype_of(x))
-        elif (
-            ctx.region == "float32"
-            or rules.runs_original(d)
-            or (d.dtype is None and _mixed_dtypes(invals))
-        ):
-            out.append(_aval(v).dtype)
-        elif d.dtype is not None:
-            out.append(d.dtype)
-        else:
-            out.append(dtype_of(x))
+    for x, v, m in zip(invals, eqn.invars, ctx.marks, strict=True):
+        dt = _float_dtype(x)
+        if dt is None or dt == target:
+            out.append(x)
+            continue
+        narrowing = target.itemsize < dt.itemsize
+        if narrowing and m & CONST:
+            # A constant has no gradient: saturate it, cast it where it is.
+            x = _saturate_constant(ctx.walk, v, x, target)
+        elif narrowing and elementwise and not _same_shape(aval_shape(v), out_shape):
+            # Broadcast first: the transpose then sums the gradient in `dt`.
+            x = _broadcast_to(x, out_shape)
+        out.append(cast(x, target))
     return out
 
 
-def _mixed_dtypes(invals: Sequence[Any]) -> bool:
-    return len({dtype_of(x) for x in invals if is_floating(x)}) > 1
+def _saturate_constant(walk: Walk, var: Any, x: Any, dtype: np.dtype) -> Any:
+    """A constant about to be cast to ``dtype`` with its finite values clipped
+    to ``dtype``'s range (``finfo(float32).min`` must not become ``-inf``)."""
+    if isinstance(var, Literal) or not _compat.is_tracer(x):
+        return clip_to_range(x, dtype)
+    big = float(jnp.finfo(dtype).max)
+    known = walk.scalars.get(var)
+    if known is not None:
+        value = float(known)
+        if not np.isfinite(value) or abs(value) <= big:
+            return x
+        return lax.full(np.shape(x), np.copysign(big, value), x.dtype)
+    x_dtype = np.dtype(x.dtype)
+    clipped = lax.clamp(np.asarray(-big, x_dtype), x, np.asarray(big, x_dtype))
+    return lax.select(lax.is_finite(x), clipped, x)
+
+
+#: Ops whose result is a known scalar constant when their operand is one.
+_SCALAR_VIEWS = frozenset(
+    {"broadcast_in_dim", "reshape", "convert_element_type", "squeeze", "expand_dims"}
+)
+
+
+def _broadcast_to(x: Any, shape: Sequence[Any]) -> Any:
+    """``x`` broadcast to ``shape`` as an elementwise op would (scalars and
+    size-1 dimensions)."""
+    xs = np.shape(x)
+    if len(xs) == 0:
+        return lax.broadcast_in_dim(x, tuple(shape), ())
+    if len(xs) == len(shape):
+        return lax.broadcast_in_dim(x, tuple(shape), tuple(range(len(shape))))
+    return x
+
+
+def ran_with(decision: Decision, eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
+    """The dtypes the operands of ``eqn`` run in under ``decision``."""
+    out = []
+    for x, v in zip(invals, eqn.invars, strict=True):
+        dt = _float_dtype(x)
+        if dt is None:
+            out.append(getattr(x, "dtype", None) or np.asarray(x).dtype)
+        elif decision.precision is Precision.ORIGINAL:
+            out.append(np.dtype(aval_dtype(v)))
+        elif decision.dtype is not None:
+            out.append(decision.dtype)
+        else:
+            out.append(dt)
+    return out
+
+
+# ------------------------------------------------------------------ running
+
+
+def bind(prim: Any, invals: Sequence[Any], params: dict[str, Any]) -> Any:
+    """``prim.bind(*invals, **params)`` with dtype-valued params canonicalised."""
+    return prim.bind(*invals, **_canonical_params(params))
+
+
+def _canonical_params(params: dict[str, Any]) -> dict[str, Any]:
+    out = dict(params)
+    for k in ("new_dtype", "preferred_element_type", "dtype"):
+        v = out.get(k)
+        if v is not None:
+            try:
+                out[k] = jnp.dtype(v)
+            except TypeError:
+                pass
+    return out
+
+
+def bind_as_written(eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
+    """Runs ``eqn`` exactly as traced (the float32 reference of a dual walk)."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    subfuns: Sequence[Any] = ()
+    if isinstance(params, tuple):  # older JAX: (subfuns, params)
+        subfuns, params = params
+    out = eqn.primitive.bind(*subfuns, *invals, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _hop_decision() -> Decision:
+    return Decision(
+        Precision.RECEIVED,
+        None,
+        None,
+        "higher-order primitive: its body is decided equation by equation",
+    )
+
+
+_HOP_DECISION = _hop_decision()
+
+
+def _has_jaxpr_params(params: dict[str, Any]) -> bool:
+    for v in params.values():
+        if isinstance(v, Jaxpr | ClosedJaxpr):
+            return True
+        if isinstance(v, tuple | list) and any(
+            isinstance(x, Jaxpr | ClosedJaxpr) for x in v
+        ):
+            return True
+    return False
+
+
+def _out_marks(
+    spec: ops.OpSpec | None, eqn: JaxprEqn, marks: Sequence[int], n: int
+) -> list[int]:
+    const = CONST if all(m & CONST for m in marks) else 0
+    follows = 0
+    if spec is not None and eqn.invars:
+        if eqn.primitive.name == "broadcast_in_dim":
+            src = aval_shape(eqn.invars[0])
+            if not _same_shape(src, aval_shape(eqn.outvars[0])):
+                follows = FOLLOWS
+            else:
+                follows = marks[0] & FOLLOWS
+        elif ops.VIEW in spec.flags:
+            follows = marks[0] & FOLLOWS
+    if not eqn.invars and spec is not None and spec.op_class == "clear":
+        const = CONST  # iota and friends
+    return [const | follows] * n
 
 
 _EPILOGUE_OPS = frozenset({"add", "sub"})
 
 
-def _dot_epilogue(
-    ctx: CastContext,
+def _epilogue(
+    walk: Walk,
     eqn: JaxprEqn,
-    invals: Sequence[Any],
-    in_from_param: Sequence[bool],
+    invals: list[Any],
+    marks: Sequence[int],
     decision: Decision,
-) -> tuple[Any, Decision] | None:
-    """Runs a bias add on the float32 product of the dot that feeds it.
+) -> Decision | None:
+    """Runs a bias add on the float32 product of the CPU dot that feeds it.
 
-    ``dot(x, w) + b`` with ``b`` a float32 parameter would otherwise round the
-    CPU dot's float32 product to the low dtype, round ``b`` too, add, and round
-    again. Adding in float32 and rounding once is what a GEMM epilogue does
-    (cuBLAS, oneDNN): the result has the same dtype, is at least as accurate,
-    and XLA:CPU fuses the add into the rounding instead of emitting separate
-    kernels for ``convert(b)``, the add and, in the backward pass, a low
-    precision reduction for the bias gradient. Returns ``(out, decision)``, or
-    None when ``eqn`` is not such an add.
+    ``dot(x, w) + b`` would otherwise round the dot's float32 product to the low
+    dtype, round ``b`` too, add, and round again. Adding in float32 and rounding
+    once is what a GEMM epilogue does (cuBLAS, oneDNN): the same dtype, at least
+    as accurate, and XLA:CPU fuses the add into the rounding. Replaces the dot's
+    operand in ``invals`` by its product and returns the fused decision, or
+    returns None when ``eqn`` is not such an add.
     """
     if (
-        not ctx.epilogues
+        not walk.wide
         or eqn.primitive.name not in _EPILOGUE_OPS
-        or ctx.region == "float32"
-        or decision.dtype is None
-        or decision.dtype != ctx.low_dtype
+        or decision.precision is not Precision.LOW
         or len(invals) != 2
     ):
         return None
-    wide = [ctx.epilogues.get(id(x)) for x in invals]
-    dot_side = [w is not None and w[0] is x for w, x in zip(wide, invals, strict=True)]
+    dot_side = [not isinstance(v, Literal) and v in walk.wide for v in eqn.invars]
     if sum(dot_side) != 1:
         return None
-    other = 1 - dot_side.index(True)
-    if not (in_from_param[other] and is_floating(invals[other])):
+    i = dot_side.index(True)
+    other = 1 - i
+    out_shape = aval_shape(eqn.outvars[0])
+    if not (
+        _float_dtype(invals[other]) is not None
+        and _follows(eqn.invars[other], invals[other], marks[other], out_shape)
+    ):
         return None
-    product = wide[1 - other]
-    assert product is not None
-    args = list(invals)
-    args[1 - other] = product[1]
-    args[other] = rules.cast(invals[other], _F32)
-    out = rules.cast(rules.bind(eqn.primitive, args, eqn.params), decision.dtype)
-    why = (
-        f"{decision.reason}; fused into the dot before it: added in float32 "
-        f"to its float32 product, rounded once to {decision.dtype}"
+    invals[i] = walk.wide[eqn.invars[i]]
+    return Decision(
+        Precision.FLOAT32,
+        _F32,
+        decision.op_class,
+        f"{decision.reason}; fused into the dot before it: added in float32 to "
+        f"its float32 product, rounded once to {decision.dtype}",
+        out_dtype=decision.dtype,
     )
-    return out, Decision(decision.op_class, _F32, why)
+
+
+def default_rule(prim: Any, ctx: CastContext, *invals: Any, **params: Any) -> Any:
+    """The rule for ops without their own: cast the operands as decided, bind
+    the primitive, and round the result if the decision says so."""
+    out = bind(prim, cast_operands(ctx, invals), params)
+    out_dtype = ctx.decision.out_dtype
+    if out_dtype is None:
+        return out
+    if prim.multiple_results:
+        return [cast(o, out_dtype) for o in out]
+    return cast(out, out_dtype)
 
 
 def run_eqn(
-    ctx: CastContext,
-    eqn: JaxprEqn,
-    invals: Sequence[Any],
-    in_from_param: Sequence[bool],
-) -> tuple[list[Any], bool]:
-    """Runs one equation under ``ctx``. Returns ``(outs, out_from_param)``."""
-    ctx = region_context(ctx, eqn)
+    walk: Walk, eqn: JaxprEqn, invals: list[Any], marks: Sequence[int]
+) -> tuple[list[Any], list[int]]:
+    """Runs one equation in ``walk``. Returns the outputs and their marks."""
     prim = eqn.primitive
-    if prim in rules._hop_primitives:
-        rule = rules._cast_rules[prim]
-        ectx = dataclasses.replace(ctx, eqn=eqn, from_param=tuple(in_from_param))
-        outs = rule(ectx, *invals, **eqn.params)
+    spec = ops.spec_for(prim.name)
+    n_out = len(eqn.outvars)
+    if (spec is not None and spec.is_higher_order) or _has_jaxpr_params(eqn.params):
+        rule = ops.higher_order_rule(prim.name)
+        walk.current = eqn
+        out_marks = [0] * n_out
+        ctx = CastContext(walk.config, eqn, _HOP_DECISION, walk, marks, out_marks)
+        outs = rule(ctx, *invals, **eqn.params)
         outs = list(outs) if prim.multiple_results else [outs]
-        return outs, False
-    in_dtypes = [dtype_of(x) for x in invals]
-    decision = _decide(ctx, eqn, in_dtypes, in_from_param)
-    fused = _dot_epilogue(ctx, eqn, invals, in_from_param, decision)
+        return outs, out_marks
+    if walk.dual:
+        return _run_dual(walk, eqn, spec, invals, marks)
+    decision = walk.decide(eqn, spec, invals, marks)
+    fused = _epilogue(walk, eqn, invals, marks, decision)
     if fused is not None:
-        out, decision = fused
-        if ctx.recorder is not None:
-            _record(ctx, eqn, [_F32] * len(invals), [out], decision)
-        return [out], False
-    ectx = dataclasses.replace(
-        ctx, eqn=eqn, decision=decision, from_param=tuple(in_from_param)
-    )
-    rule = rules.get_rule(prim)
-    outs = rule(ectx, *invals, **eqn.params)
+        decision = fused
+    ctx = CastContext(walk.config, eqn, decision, walk, marks, [])
+    if spec is not None and spec.rule is not None and fused is None:
+        outs = spec.rule(ctx, *invals, **eqn.params)
+    else:
+        outs = default_rule(prim, ctx, *invals, **eqn.params)
     outs = list(outs) if prim.multiple_results else [outs]
-    if ctx.recorder is not None:
-        _record(ctx, eqn, _ran_with(ctx, eqn, invals, decision), outs, decision)
-    out_fp = decision.op_class in ("clear", "infer") and all(in_from_param)
-    return outs, out_fp
+    if walk.observer is not None and not walk.probing:
+        walk.observer.on_eqn(
+            walk, eqn, decision, ran_with(decision, eqn, invals), invals, outs
+        )
+    return outs, _out_marks(spec, eqn, marks, n_out)
 
 
-def apply_eqn(
-    ctx: CastContext,
+def _run_dual(
+    walk: Walk,
     eqn: JaxprEqn,
-    invals: list,
-    *,
-    from_param: Sequence[bool] | None = None,
-) -> list:
-    """Runs ONE jaxpr equation the way autocast would: decision, casts, rule.
+    spec: ops.OpSpec | None,
+    invals: list[Any],
+    marks: Sequence[int],
+) -> tuple[list[Any], list[int]]:
+    ref_in = [x.ref if isinstance(x, Dual) else x for x in invals]
+    mix_in = [x.mix if isinstance(x, Dual) else x for x in invals]
+    decision = walk.decide(eqn, spec, mix_in, marks)
+    fused = _epilogue(walk, eqn, mix_in, marks, decision)
+    if fused is not None:
+        decision = fused
+    ctx = CastContext(walk.config, eqn, decision, walk, marks, [])
+    prim = eqn.primitive
+    if spec is not None and spec.rule is not None and fused is None:
+        mix_out = spec.rule(ctx, *mix_in, **eqn.params)
+    else:
+        mix_out = default_rule(prim, ctx, *mix_in, **eqn.params)
+    mix_out = list(mix_out) if prim.multiple_results else [mix_out]
+    ref_out = bind_as_written(eqn, ref_in)
+    outs = [Dual(r, m) for r, m in zip(ref_out, mix_out, strict=True)]
+    if walk.observer is not None:
+        duals = [Dual(r, m) for r, m in zip(ref_in, mix_in, strict=True)]
+        fused_rule = fused is not None
 
-    Works on concrete or traced values. For higher-order primitives the
-    higher-order rule runs (the body is interpreted too).
+        def rerun(values: Sequence[Any]) -> list[Any]:
+            staged = walk.staged()
+            c = CastContext(walk.config, eqn, decision, staged, marks, [])
+            with _eqn_context(eqn):
+                if spec is not None and spec.rule is not None and not fused_rule:
+                    o = spec.rule(c, *values, **eqn.params)
+                else:
+                    o = default_rule(prim, c, *values, **eqn.params)
+            return list(o) if prim.multiple_results else [o]
 
-    Args:
-        ctx: the context (as from :func:`make_context`).
-        eqn: the equation.
-        invals: its input values, in order (Literals' values included).
-        from_param: per input, whether it comes straight from a parameter or
-            literal; defaults to True for literals, False otherwise.
-
-    Returns:
-        The list of output values.
-
-    Examples:
-        >>> import jax, jax.numpy as jnp
-        >>> jaxpr = jax.make_jaxpr(lambda x, w: x @ w)(jnp.ones((2, 2)),
-        ...                                             jnp.ones((2, 2)))
-        >>> ctx = make_context("mixed_bfloat16")
-        >>> [y] = apply_eqn(ctx, jaxpr.eqns[0], [jnp.ones((2, 2))] * 2)
-        >>> y.dtype
-        dtype(bfloat16)
-    """
-    if from_param is None:
-        from_param = [isinstance(v, Literal) for v in eqn.invars]
-    with _eqn_context(eqn):
-        outs, _ = run_eqn(ctx, eqn, list(invals), list(from_param))
-    return outs
+        walk.observer.on_eqn(
+            walk, eqn, decision, ran_with(decision, eqn, mix_in), duals, outs, rerun
+        )
+    return outs, _out_marks(spec, eqn, marks, len(outs))
 
 
 @contextlib.contextmanager
@@ -578,122 +764,80 @@ def _eqn_context(eqn: JaxprEqn) -> Iterator[None]:
             yield
 
 
+def literal_mark(v: Literal) -> int:
+    """The marks of a literal: a constant that follows."""
+    del v
+    return CONST | FOLLOWS
+
+
 def eval_jaxpr(
-    ctx: CastContext,
+    walk: Walk,
     jaxpr: Jaxpr | ClosedJaxpr,
     consts: Sequence[Any],
     args: Sequence[Any],
-    *,
-    from_param: Sequence[bool] | None = None,
-) -> list[Any]:
+    marks: Sequence[int] | None = None,
+) -> tuple[list[Any], list[int]]:
     """Evaluates ``jaxpr`` on ``args`` with autocast's decisions and rules.
 
     Args:
-        ctx: the context.
+        walk: where and how to walk.
         jaxpr: an open ``Jaxpr`` (then ``consts`` are its constvars' values) or
             a ``ClosedJaxpr`` (then ``consts`` must be empty).
         consts: values of the constvars.
         args: values of the invars.
-        from_param: per invar, whether the value comes straight from a
-            parameter or literal (constvars always do). Defaults to all False.
+        marks: per invar, the marks of its value (default: none).
 
     Returns:
-        The output values.
+        The output values and their marks.
     """
     if isinstance(jaxpr, ClosedJaxpr):
         if consts:
             raise ValueError("`eval_jaxpr`: pass no `consts` with a ClosedJaxpr.")
         consts = jaxpr.consts
         jaxpr = jaxpr.jaxpr
-    if ctx.platform == "cpu":
-        # Float32 products of this jaxpr's dots, for bias adds that follow them.
-        ctx = dataclasses.replace(ctx, epilogues={})
+    walk = walk._copy()  # its own `wide` and `scalars`: never the caller's
     env: dict[Any, Any] = {}
-    fp: dict[Any, bool] = {}
-
-    def read(v: Any) -> Any:
-        return v.val if isinstance(v, Literal) else env[v]
-
-    def read_fp(v: Any) -> bool:
-        return True if isinstance(v, Literal) else fp.get(v, False)
-
-    if from_param is None:
-        from_param = [False] * len(args)
+    mk: dict[Any, int] = {}
     for v, x in zip(jaxpr.constvars, consts, strict=True):
         env[v] = x
-        fp[v] = True
-    for v, x, p in zip(jaxpr.invars, args, from_param, strict=True):
+        mk[v] = CONST
+    if marks is None:
+        marks = [0] * len(args)
+    for v, x, m in zip(jaxpr.invars, args, marks, strict=True):
         env[v] = x
-        fp[v] = bool(p)
+        mk[v] = m
     for eqn in jaxpr.eqns:
-        invals = [read(v) for v in eqn.invars]
-        in_fp = [read_fp(v) for v in eqn.invars]
+        invals = [v.val if type(v) is Literal else env[v] for v in eqn.invars]
+        inmarks = [literal_mark(v) if type(v) is Literal else mk[v] for v in eqn.invars]
+        w = walk.for_eqn(eqn)
+        if w is not walk:
+            w.wide, w.scalars = walk.wide, walk.scalars
         with _eqn_context(eqn):
-            outs, out_fp = run_eqn(ctx, eqn, invals, in_fp)
-        for v, x in zip(eqn.outvars, outs, strict=True):
+            outs, out_marks = run_eqn(w, eqn, invals, inmarks)
+        for v, x, m in zip(eqn.outvars, outs, out_marks, strict=True):
             env[v] = x
-            fp[v] = out_fp
-    return [read(v) for v in jaxpr.outvars]
+            mk[v] = m
+        if inmarks and inmarks[0] & CONST and eqn.primitive.name in _SCALAR_VIEWS:
+            src = eqn.invars[0]
+            known = src.val if type(src) is Literal else walk.scalars.get(src)
+            if known is not None and np.ndim(known) == 0:
+                walk.scalars[eqn.outvars[0]] = known
+    outs = [v.val if type(v) is Literal else env[v] for v in jaxpr.outvars]
+    out_marks = [
+        literal_mark(v) if type(v) is Literal else mk[v] for v in jaxpr.outvars
+    ]
+    return outs, out_marks
 
 
 def jaxpr_fun(
-    ctx: CastContext,
+    walk: Walk,
     jaxpr: Jaxpr | ClosedJaxpr,
     consts: Sequence[Any] = (),
-    *,
-    from_param: Sequence[bool] | None = None,
+    marks: Sequence[int] | None = None,
 ) -> Callable[..., list[Any]]:
-    """``lambda *args: eval_jaxpr(ctx, jaxpr, consts, args)``."""
+    """``lambda *args: eval_jaxpr(walk, jaxpr, consts, args, marks)[0]``."""
 
     def fun(*args: Any) -> list[Any]:
-        return eval_jaxpr(ctx, jaxpr, consts, args, from_param=from_param)
+        return eval_jaxpr(walk, jaxpr, consts, args, marks)[0]
 
     return fun
-
-
-# ------------------------------------------------------------------ records
-
-
-def trace_records(
-    fn: Callable[..., Any],
-    *args: Any,
-    policy: Policy | str | None = None,
-    mode: str = "allow_mix_precision",
-    mixlist: Mapping | str | os.PathLike | None = None,
-    strict: bool = False,
-    **kwargs: Any,
-) -> list[EqnRecord]:
-    """Traces ``autocast(fn)(*args, **kwargs)`` and returns one record per op.
-
-    Nothing is executed: the function is traced and re-interpreted with a
-    recorder. Composites run as a whole (a nested ``jit`` such as ``_var``)
-    appear as one record named after the composite, followed by their body.
-
-    Args:
-        fn: the function.
-        *args: example arguments (arrays or ``jax.ShapeDtypeStruct``).
-        policy: the policy (None: the global policy).
-        mode: the precision mode.
-        mixlist: a ``modify_mixlist`` spec, or None.
-        strict: as for :func:`mixprec.autocast`.
-        **kwargs: keyword arguments for ``fn``.
-
-    Returns:
-        The records, in execution order (bodies of higher-order primitives
-        inline, with their ``path``).
-
-    Examples:
-        >>> import jax.numpy as jnp
-        >>> recs = trace_records(lambda x: (x @ x).sum(), jnp.ones((2, 2)),
-        ...                      policy="mixed_bfloat16")
-        >>> [(r.primitive, r.out_dtypes[0]) for r in recs]
-        [('dot_general', 'bfloat16'), ('reduce_sum', 'float32')]
-    """
-    from mixprec._src.autocast import api
-
-    recorder: list[EqnRecord] = []
-    ctx = make_context(
-        policy, mode=mode, mixlist=mixlist, strict=strict, recorder=recorder
-    )
-    api.trace_transformed(fn, ctx, args, kwargs)
-    return recorder

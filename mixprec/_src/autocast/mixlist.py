@@ -1,15 +1,15 @@
-"""``modify_mixlist``: edit the op lists with seed 003's JSON format.
+"""``modify_mixlist``: edit the op lists with Ascend AMP's ``modify_mixlist`` JSON.
 
 The spec has up to four top-level keys, each with ``"to-add"`` and/or
 ``"to-remove"`` lists of op names (JAX primitive names such as ``"dot_general"``
-or composite names such as ``"softmax"``)::
+or composite names such as ``"log_softmax"``)::
 
     {
       "black-list": {"to-remove": ["exp"], "to-add": ["dot_general"]},
       "white-list": {"to-remove": ["conv_general_dilated"], "to-add": ["add"]}
     }
 
-Semantics (seed 003, Ascend ``modify_mixlist``; black = deny, white = allow,
+Semantics (Ascend AMP's ``modify_mixlist``; black = deny, white = allow,
 gray = infer):
 
 * ``"<list>": {"to-add": [op]}`` moves ``op`` into that list from whichever list
@@ -18,7 +18,7 @@ gray = infer):
   does not add it to another list, it becomes gray ("对于只从黑/白名单中删除,
   而不添加到白/黑名单的情况,系统会将该算子添加到灰名单中"). Removing and adding
   elsewhere in one spec is the same as just adding elsewhere.
-* ``"gray-list"`` (DESIGN.md) and ``"clear-list"`` (mixprec's fourth class) work
+* ``"gray-list"`` and ``"clear-list"`` (mixprec's fourth class) work
   the same way; an op removed from the gray list must be added to another list
   in the same spec (there is no default to fall back to).
 
@@ -26,8 +26,9 @@ Errors (``ValueError``, naming the problem): unknown top-level or inner keys,
 unknown op names (with close matches), higher-order primitives and opaque kernels
 (their precision is not a list choice), an op both added to and removed from one
 list, an op added to two lists, removing an op from a list it is not in,
-malformed JSON, a missing file. ``//`` line comments, as in the seed's example,
-are allowed in JSON text.
+malformed JSON, a missing file. ``//`` line comments, as in Ascend's examples,
+are allowed in JSON text. :func:`load_spec` is the one loader: autocast and
+``mixprec.diagnose`` read a spec the same way.
 """
 
 from __future__ import annotations
@@ -38,14 +39,40 @@ import pathlib
 from collections.abc import Mapping
 
 from mixprec._src._errors import format_choices, suggest
-from mixprec._src.autocast.op_lists import (
-    HIGHER_ORDER,
-    KNOWN_NAMES,
+from mixprec._src.autocast.ops import (
     OPAQUE,
     OpClass,
     OpLists,
+    all_specs,
     default_op_lists,
 )
+
+
+def _known_names() -> frozenset[str]:
+    return frozenset(s.name for s in all_specs() if not s.is_higher_order)
+
+
+def _higher_order_names() -> frozenset[str]:
+    return frozenset(s.name for s in all_specs() if s.is_higher_order)
+
+
+def _opaque_names() -> frozenset[str]:
+    return frozenset(s.name for s in all_specs() if OPAQUE in s.flags)
+
+
+# Names that are not ops JAX emits: these functions are inlined into primitives,
+# so there is no single op to list. What to do instead.
+_INLINED = {
+    "softmax": "jax.nn.softmax is inlined as reduce_max, sub, exp, reduce_sum, div",
+    "logsumexp": "jax.nn.logsumexp is inlined as reduce_max, exp, reduce_sum, log",
+    "layer_norm": "layer norms are inlined as reduce_sum, sub, mul, rsqrt",
+    "rms_norm": "RMS norms are inlined as mul, reduce_sum, rsqrt",
+    "group_norm": "group norms are inlined as reduce_sum, sub, mul, rsqrt",
+    "batch_norm": "batch norms are inlined as reduce_sum, sub, mul, rsqrt",
+    "mean": "jnp.mean is inlined as reduce_sum and div",
+    "cross_entropy": "cross-entropy losses are inlined (log_softmax or exp/log)",
+    "mse_loss": "squared-error losses are inlined as sub, square, reduce_sum",
+}
 
 
 #: Top-level spec keys and the class each maps to.
@@ -58,8 +85,8 @@ LIST_KEYS: dict[str, OpClass] = {
 #: Inner spec keys.
 ACTION_KEYS: tuple[str, str] = ("to-add", "to-remove")
 
-# Ascend / TensorFlow op types users may write (the seed uses "Matmul", "Conv2D",
-# "Cast", "Bias"), mapped to the JAX name to suggest.
+# Ascend / TensorFlow op types users may write (Ascend's examples use "Matmul",
+# "Conv2D", "Cast", "Bias"), mapped to the JAX name to suggest.
 _FOREIGN_NAMES: dict[str, str] = {
     "matmul": "dot_general",
     "batchmatmul": "dot_general",
@@ -96,7 +123,7 @@ _FOREIGN_NAMES: dict[str, str] = {
 
 
 def _strip_line_comments(text: str) -> str:
-    """Removes ``//`` comments outside JSON strings (the seed's example has them)."""
+    """Removes ``//`` comments outside JSON strings (Ascend's examples have them)."""
     out: list[str] = []
     in_string = escaped = False
     i = 0
@@ -150,7 +177,14 @@ def _parse_json(text: str, source: str) -> object:
         ) from None
 
 
-def _load(spec: Mapping[str, object] | str | os.PathLike[str]) -> object:
+def load_spec(spec: Mapping[str, object] | str | os.PathLike[str]) -> object:
+    """Reads a ``modify_mixlist`` spec: a mapping (returned as is), JSON text or
+    the path of a JSON file (``//`` line comments allowed in both).
+
+    Raises:
+        ValueError: malformed JSON, duplicate keys, or a path that is not a file.
+        TypeError: ``spec`` is of another type.
+    """
     if isinstance(spec, Mapping):
         return spec
     if isinstance(spec, os.PathLike) or (
@@ -185,7 +219,7 @@ def _unknown_name_message(name: str, where: str, known: frozenset[str]) -> str:
     return (
         f"`modify_mixlist`: unknown op {name!r} in {where}. Op names are JAX "
         "primitive names (`prim.name`, e.g. 'dot_general', 'exp', 'add') or "
-        f"composite names (e.g. 'softmax', 'layer_norm'); see docs/op_table.md." + hint
+        f"composite names (e.g. 'log_softmax', 'var'); see docs/op_table.md." + hint
     )
 
 
@@ -195,9 +229,10 @@ def _check_name(name: object, where: str, known: frozenset[str]) -> str:
             f"`modify_mixlist`: op names in {where} must be strings, got "
             f"{name!r} ({type(name).__name__})."
         )
-    if name in HIGHER_ORDER or name in OPAQUE:
-        what = "a higher-order primitive" if name in HIGHER_ORDER else "an opaque"
-        if name in OPAQUE:
+    if name in _higher_order_names() or name in _opaque_names():
+        opaque = name in _opaque_names()
+        what = "an opaque" if opaque else "a higher-order primitive"
+        if opaque:
             what += " kernel/callback (it always runs at its original dtypes)"
         else:
             what += " (autocast classifies the ops in its body one by one)"
@@ -206,6 +241,12 @@ def _check_name(name: object, where: str, known: frozenset[str]) -> str:
             "an op list."
         )
     if name not in known:
+        if name in _INLINED:
+            raise ValueError(
+                f"`modify_mixlist`: {name!r} in {where} is not an op JAX emits: "
+                f"{_INLINED[name]}. List those primitives, or wrap the code in "
+                "`mixprec.float32_scope()` to keep it in float32."
+            )
         raise ValueError(_unknown_name_message(name, where, known))
     return name
 
@@ -213,7 +254,7 @@ def _check_name(name: object, where: str, known: frozenset[str]) -> str:
 def modify_mixlist(
     lists: OpLists | None, spec: Mapping[str, object] | str | os.PathLike[str]
 ) -> OpLists:
-    """Returns a copy of ``lists`` edited by a seed-003 ``modify_mixlist`` spec.
+    """Returns a copy of ``lists`` edited by a ``modify_mixlist`` spec.
 
     Args:
         lists: the lists to edit; ``None`` means :func:`default_op_lists`.
@@ -259,13 +300,13 @@ def modify_mixlist(
             "`modify_mixlist(lists=...)` must be an OpLists (e.g. "
             f"`default_op_lists()`) or None, got {type(lists).__name__} instead."
         )
-    data = _load(spec)
+    data = load_spec(spec)
     if not isinstance(data, Mapping):
         raise ValueError(
             "`modify_mixlist(spec=...)` must be a JSON object with keys "
             f"{format_choices(LIST_KEYS)}, got {type(data).__name__} instead."
         )
-    known = KNOWN_NAMES | lists.names()
+    known = _known_names() | lists.names()
     adds: dict[str, tuple[str, OpClass]] = {}
     removes: dict[str, tuple[str, OpClass]] = {}
     for key, body in data.items():

@@ -6,7 +6,7 @@ this part in float32" cannot be said with casts. A region is a
 equation's ``source_info.name_stack``:
 
 * ``mixprec_float32``: :func:`float32_scope`. Ops inside run at the precision
-  they were written in (the seed's "final softmax in float32").
+  they were written in (Keras's advice: keep the final softmax in float32).
 * ``mixprec_policy_<n>``: :func:`precision_scope`. Ops inside run under their own
   policy (``n`` indexes a registry of policies).
 * ``mixprec_ctx_<n>``: a nested :func:`mixprec.autocast` with a configuration
@@ -15,7 +15,8 @@ equation's ``source_info.name_stack``:
 The innermost region wins. Name stacks survive ``jit``, ``grad`` (as
 ``jvp(...)``/``transpose(...)``) and ``vmap``, so the backward pass of a region is
 in the region too. Equations inside the body of a ``scan``/``cond``/... inherit
-the region of the higher-order equation.
+the region of the higher-order equation. Only these reserved names are regions:
+a user's own scope or layer name (``"norm"``, ``"mean"``) means nothing here.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from typing import Any
 
 import jax
 
-from mixprec._src.autocast.op_lists import composite_for
 from mixprec._src.policy import Policy, get_policy
 
 
@@ -67,7 +67,7 @@ def float32_scope() -> Iterator[None]:
     """Ops traced inside run at their original precision under autocast.
 
     Use it for the parts of a model that must stay in float32 whatever the op
-    lists say (the seed's "final softmax in float32"): autocast casts their
+    lists say (Keras keeps the final softmax in float32): autocast casts their
     inputs back to the dtypes they were traced with. Outside an autocast
     transform it does nothing (it is a ``jax.named_scope``).
 
@@ -124,25 +124,18 @@ def precision_scope(policy: Policy | str) -> Iterator[Policy]:
 
 @ft.lru_cache(maxsize=4096)
 def parse_name_stack(stack: str) -> tuple[str, Any] | None:
-    """The innermost region or composite named in ``stack``.
+    """The innermost region named in ``stack``.
 
-    Returns ``("float32", None)``, ``("policy", Policy)``, ``("ctx", ctx)``,
-    ``("composite", name)`` or None.
+    Returns ``("float32", None)``, ``("policy", Policy)``, ``("ctx", config)``
+    or None.
     """
-    if not stack:
+    if "mixprec_" not in stack:
         return None
-    for component in reversed(stack.split("/")):
-        if not component:
-            continue
-        matches = list(_MARKER.finditer(component))
-        if matches:
-            m = matches[-1]
-            if m.group(1) == "float32":
-                return ("float32", None)
-            if m.group(2) is not None:
-                return ("policy", _policies[int(m.group(2))])
-            return ("ctx", _contexts[int(m.group(3))])
-        comp = composite_for(component)
-        if comp is not None:
-            return ("composite", comp)
-    return None
+    m = list(_MARKER.finditer(stack))[-1] if _MARKER.search(stack) else None
+    if m is None:
+        return None
+    if m.group(1) == "float32":
+        return ("float32", None)
+    if m.group(2) is not None:
+        return ("policy", _policies[int(m.group(2))])
+    return ("ctx", _contexts[int(m.group(3))])

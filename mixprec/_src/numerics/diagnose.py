@@ -1,31 +1,31 @@
 """Numerics diagnosis: which op breaks in half precision, and what to do about it.
 
-``mixprec.diagnose(fn, *args, policy=...)`` runs ``fn`` twice side by side, equation
-by equation: once exactly as written in float32 (the reference stream) and once
-through the autocast interpreter (the mixed stream, the same ``apply_eqn`` that
-:func:`mixprec.autocast` uses). Higher-order primitives are entered with concrete
-values: ``jit``, ``checkpoint``, ``custom_jvp`` and ``custom_vjp`` are evaluated
-inline (their primal), ``scan`` and ``while_loop`` step by step, ``cond`` on the
-branch it takes.
+``mixprec.diagnose(fn, *args, policy=...)`` runs the autocast walk on concrete
+values with *dual* values: every variable holds its float32 reference (the op run
+exactly as written) and its autocast value side by side. It is the walk
+``mixprec.autocast`` uses, with the same decisions and rules; loops are stepped
+and branches taken concretely so that every iteration can be compared.
 
 For every op it measures, on the op's outputs:
 
 * **overflow**: finite float32 values that become ``inf``/``nan`` when the op runs
   as autocast runs it, fed with the *exact* (float32-stream) inputs cast to the
-  dtypes the mixed stream has. Feeding exact inputs attributes each problem to the
-  op that causes it rather than to every op downstream of it.
+  dtypes the autocast stream has. Feeding exact inputs attributes each problem to
+  the op that causes it rather than to every op downstream of it.
 * **underflow**: non-zero float32 values that flush to zero in the same local run.
 * **cast overflow / underflow**: input values that overflow or flush to zero when
   the op casts its float32 inputs down to the low dtype.
-* **nonfinite**: non-finite values of the mixed stream where float32 is finite
+* **nonfinite**: non-finite values of the autocast stream where float32 is finite
   (propagated problems included); the first op where this happens is reported.
-* **relative error** of the mixed stream against float32 (``‖b-a‖/‖a‖`` over the
-  positions where both are finite), and of the local run.
+* **relative error** of the autocast stream against float32 (``‖b-a‖/‖a‖`` over
+  the positions where both are finite; ``inf`` when the autocast value is
+  non-finite where float32 is finite), and of the local run.
 
-It ends with advice: the ops to move to the black list, as a ``modify_mixlist`` dict
-ready for ``mixprec.autocast(..., mixlist=...)``; a suggested initial loss scale
-from the gradient magnitudes seen (backward-pass equations are the ones JAX names
-``transpose(...)``); and the tensor-core alignment lint of low-precision dots/convs.
+It ends with advice (:mod:`~mixprec._src.numerics.advice`): the ops to move to
+the black list, as a ``modify_mixlist`` dict ready for ``mixprec.autocast(...,
+mixlist=...)``; a suggested initial loss scale from the gradient magnitudes seen
+(backward-pass equations are the ones JAX names ``transpose(...)``); and the
+tensor-core alignment lint of low-precision dots/convs.
 """
 
 from __future__ import annotations
@@ -34,64 +34,38 @@ import copy
 import dataclasses
 import json
 import math
-import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import core as jex_core, source_info_util
 
-from ._compat import is_tracer
-from .autocast import interpreter
-from .autocast.modes import decide
-from .autocast.op_lists import composite_for
-from .autocast.rules import dtype_of
-from .explain import (
+from mixprec._src._compat import is_tracer
+from mixprec._src.autocast import interpreter as itp
+from mixprec._src.autocast.config import make_config
+from mixprec._src.autocast.interpreter import Dual, Walk
+from mixprec._src.autocast.mixlist import load_spec
+from mixprec._src.autocast.ops import OpLists
+from mixprec._src.numerics.advice import (
+    GradientHistogram,
+    advise_black_list,
+    merge_black_list,
+    suggest_loss_scale,
+)
+from mixprec._src.numerics.record import (
     AlignmentIssue,
-    eqn_flops,
-    eqn_source,
-    float32_args,
-    fmt_dtypes,
-    hop_name,
-    is_backward,
     lint_eqn,
     parse_source,
-    render_table,
-    rich_table,
+    record_fields,
     short_source,
-    sub_jaxprs,
 )
+from mixprec._src.numerics.render import fmt_dtypes, render_table, rich_table
 
 
-__all__ = ["DiagnosisReport", "OpDiagnosis", "diagnose"]
+__all__ = ["DiagnosisReport", "OpDiagnosis", "diagnose", "merge_black_list"]
 
 _F32 = np.dtype(np.float32)
-_FLOAT16_MAX = 65504.0
-_FLOAT16_TINY = 2.0**-14  # smallest normal float16 (6.1e-5)
-_MAX_LOSS_SCALE = 2.0**24
-
-# Higher-order primitives entered with concrete values.
-_INLINE = frozenset(
-    {
-        "jit",
-        "pjit",
-        "closed_call",
-        "core_call",
-        "remat2",
-        "checkpoint",
-        "custom_jvp_call",
-        "custom_vjp_call",
-        "custom_vjp_call_jaxpr",
-    }
-)
-_LOOPS = frozenset({"scan", "while", "cond"})
-
-
-# --------------------------------------------------------------------------------------
-# Results.
-# --------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,8 +196,8 @@ class DiagnosisReport:
       >>> import jax.numpy as jnp
       >>> import mixprec
       >>> def f(w, x):
-      ...     h = x @ w
-      ...     return h * h          # (1e-5) ** 2 = 1e-10 flushes to 0 in float16
+      ...     h, g = x @ w, x @ w.T
+      ...     return h * g          # 1e-5 * 1e-5 = 1e-10 flushes to 0 in float16
       >>> report = mixprec.diagnose(f, jnp.eye(8), jnp.full((8, 8), 1e-5),
       ...                           policy="mixed_float16")
       >>> [(op.primitive, op.underflow) for op in report.problems]
@@ -451,7 +425,7 @@ class DiagnosisReport:
 
 
 # --------------------------------------------------------------------------------------
-# Array statistics (host side, float64).
+# Comparing the two streams.
 # --------------------------------------------------------------------------------------
 
 
@@ -477,7 +451,12 @@ def _cast(x: Any, dtype: Any) -> Any:
 
 
 def _rel_error(a: np.ndarray, b: np.ndarray) -> float:
-    both = np.isfinite(a) & np.isfinite(b)
+    """``‖b-a‖/‖a‖`` where both are finite; ``inf`` if ``b`` is non-finite
+    anywhere ``a`` is finite (an overflow is not a small error)."""
+    fa, fb = np.isfinite(a), np.isfinite(b)
+    if (fa & ~fb).any():
+        return math.inf
+    both = fa & fb
     if not both.any():
         return 0.0
     num = float(np.linalg.norm((b - a)[both]))
@@ -487,9 +466,24 @@ def _rel_error(a: np.ndarray, b: np.ndarray) -> float:
     return num / den
 
 
+def _dtype_name(x: Any) -> str:
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        return type(x).__name__
+    return str(dtype)
+
+
+def _ref(x: Any) -> Any:
+    return x.ref if isinstance(x, Dual) else x
+
+
+def _mix(x: Any) -> Any:
+    return x.mix if isinstance(x, Dual) else x
+
+
 @dataclasses.dataclass
 class _Site:
-    """Mutable accumulator for one op site (one eqn at one path)."""
+    """Mutable accumulator for one op site (one equation at one path)."""
 
     index: int
     eqn: Any
@@ -522,396 +516,79 @@ class _Site:
         return OpDiagnosis(**{k: v for k, v in vars(self).items() if k in fields})
 
 
-# --------------------------------------------------------------------------------------
-# The dual-stream evaluator.
-# --------------------------------------------------------------------------------------
+class _Comparer:
+    """The observer of a dual walk: accumulates statistics per op site."""
 
-
-def _read(env: dict[Any, Any], v: Any) -> Any:
-    if isinstance(v, jex_core.Literal):
-        return v.val
-    return env[v]
-
-
-def _write(env: dict[Any, Any], vs: Sequence[Any], vals: Sequence[Any]) -> None:
-    for v, val in zip(vs, vals, strict=True):
-        if not isinstance(v, jex_core.DropVar):
-            env[v] = val
-
-
-def _bind(eqn: jex_core.JaxprEqn, invals: Sequence[Any]) -> list[Any]:
-    """Run ``eqn`` exactly as written (the float32 stream)."""
-    params = eqn.primitive.get_bind_params(eqn.params)
-    subfuns: Sequence[Any] = ()
-    if isinstance(params, tuple):  # older JAX: (subfuns, params)
-        subfuns, params = params
-    with (
-        source_info_util.user_context(
-            eqn.source_info.traceback, name_stack=eqn.source_info.name_stack
-        ),
-        eqn.ctx.manager,
-    ):
-        out = eqn.primitive.bind(*subfuns, *invals, **params)
-    return list(out) if eqn.primitive.multiple_results else [out]
-
-
-_Parent = tuple[str, bool]  # (source, backward) of the enclosing equation
-
-
-class _Dual:
-    """Evaluates a jaxpr in float32 and under autocast side by side."""
-
-    def __init__(self, interp: Any, *, max_loop_steps: int) -> None:
-        self.interp = interp
+    def __init__(self, *, max_loop_steps: int) -> None:
         self.max_loop_steps = max_loop_steps
         self.sites: dict[tuple[int, str], _Site] = {}
         self.first_nonfinite: _Site | None = None
         self.first_f32_nonfinite: _Site | None = None
         self.notes: list[str] = []
-        # Exponent histogram of backward-pass float32 values (frexp exponents).
-        self.grad_hist = np.zeros(2200, np.int64)
-        self.grad_max = 0.0
+        self.grads = GradientHistogram()
+        self.saw_backward = False
 
-    # -- the mixed stream goes through the interpreter --------------------------
-    def apply(
-        self,
-        ctx: Any,
-        eqn: jex_core.JaxprEqn,
-        invals: Sequence[Any],
-        from_param: Sequence[bool],
-    ) -> list[Any]:
-        out = self.interp.apply_eqn(ctx, eqn, list(invals), from_param=list(from_param))
-        return list(out)
+    def on_note(self, walk: Walk, eqn: Any, text: str) -> None:
+        del walk, eqn
+        self.notes.append(text)
 
-    def decide(
-        self,
-        ctx: Any,
-        eqn: jex_core.JaxprEqn,
-        name: str,
-        invals: Sequence[Any],
-        from_param: Sequence[bool],
-    ) -> tuple[str, str | None, str, str]:
-        """``(decision, dtype, op_class, reason)`` for ``eqn`` on ``invals``."""
-        in_dtypes = [dtype_of(x) for x in invals]
-        rctx = self.interp.region_context(ctx, eqn)
-        if name != eqn.primitive.name:  # a composite run as a whole
-            d = decide(
-                name,
-                in_dtypes,
-                mode=rctx.mode,
-                lists=rctx.lists,
-                low_dtype=rctx.low_dtype,
-                from_param=from_param,
-            )
-        else:
-            d = self.interp.decide_eqn(ctx, eqn, in_dtypes, from_param)
-        dtype = None if d.dtype is None else np.dtype(d.dtype)
-        low = np.dtype(rctx.low_dtype)
-        if dtype is None:
-            label = "original"
-        elif dtype == low and low != _F32:
-            label = "low"
-        elif dtype == _F32:
-            label = "float32"
-        else:
-            label = "original"
-        return label, None if dtype is None else str(dtype), d.op_class, d.reason
-
-    def composite(self, ctx: Any, eqn: jex_core.JaxprEqn) -> str | None:
-        """The composite a nested ``jit`` stands for (autocast runs it whole)."""
-        if eqn.primitive.name not in ("jit", "pjit"):
-            return None
-        if self.interp.region_context(ctx, eqn).region == "float32":
-            return None
-        return composite_for(hop_name(eqn))
-
-    # -- evaluation ---------------------------------------------------------------
-    def run(
-        self,
-        ctx: Any,
-        jaxpr: jex_core.Jaxpr,
-        consts: Sequence[Any],
-        args32: Sequence[Any],
-        argsmix: Sequence[Any],
-        from_param: Sequence[bool],
-        path: str,
-        parent: _Parent = ("", False),
-    ) -> tuple[list[Any], list[Any]]:
-        """Evaluates ``jaxpr`` in both streams. ``parent`` is the source and the
-        backward flag of the enclosing higher-order equation: ops without a user
-        frame take its source, ops in a transposed body are backward ops."""
-        env32: dict[Any, Any] = {}
-        envmix: dict[Any, Any] = {}
-        fp: dict[Any, bool] = {}
-        _write(env32, jaxpr.constvars, consts)
-        _write(envmix, jaxpr.constvars, consts)
-        _write(fp, jaxpr.constvars, [True] * len(jaxpr.constvars))
-        _write(env32, jaxpr.invars, args32)
-        _write(envmix, jaxpr.invars, argsmix)
-        _write(fp, jaxpr.invars, list(from_param))
-        for eqn in jaxpr.eqns:
-            in32 = [_read(env32, v) for v in eqn.invars]
-            inmix = [_read(envmix, v) for v in eqn.invars]
-            in_fp = [
-                True if isinstance(v, jex_core.Literal) else fp.get(v, False)
-                for v in eqn.invars
-            ]
-            name = eqn.primitive.name
-            composite = self.composite(ctx, eqn)
-            out_fp = False
-            here: _Parent = (
-                eqn_source(eqn) or parent[0],
-                parent[1] or is_backward(eqn),
-            )
-            if composite is None and name in _INLINE and sub_jaxprs(eqn):
-                label, sub, sub_consts = sub_jaxprs(eqn)[0]
-                sctx = self.interp.sub_context(
-                    self.interp.region_context(ctx, eqn), label
-                )
-                out32, outmix = self.run(
-                    sctx,
-                    sub,
-                    sub_consts,
-                    in32,
-                    inmix,
-                    in_fp,
-                    _join(path, label),
-                    here,
-                )
-            elif name in _LOOPS:
-                loop = getattr(self, f"_{name}")
-                out32, outmix = loop(ctx, eqn, in32, inmix, in_fp, path, here)
-            else:
-                out32 = _bind(eqn, in32)
-                outmix = self.apply(ctx, eqn, inmix, in_fp)
-                site = self.site(eqn, path, composite or name, here)
-                out_fp = self.record(ctx, eqn, site, in32, inmix, in_fp, out32, outmix)
-            _write(env32, eqn.outvars, out32)
-            _write(envmix, eqn.outvars, outmix)
-            _write(fp, eqn.outvars, [out_fp] * len(eqn.outvars))
-        out32 = [_read(env32, v) for v in jaxpr.outvars]
-        outmix = [_read(envmix, v) for v in jaxpr.outvars]
-        return out32, outmix
-
-    def _body_ctx(self, ctx: Any, eqn: jex_core.JaxprEqn, label: str) -> Any:
-        return self.interp.sub_context(self.interp.region_context(ctx, eqn), label)
-
-    def _scan(
-        self,
-        ctx: Any,
-        eqn: jex_core.JaxprEqn,
-        in32: list[Any],
-        inmix: list[Any],
-        in_fp: list[bool],
-        path: str,
-        here: _Parent,
-    ) -> tuple[list[Any], list[Any]]:
-        p = eqn.params
-        nc, ncarry, length = p["num_consts"], p["num_carry"], p["length"]
-        label, body, body_consts = sub_jaxprs(eqn)[0]
-        sctx = self._body_ctx(ctx, eqn, label)
-        c32, cmix = in32[:nc], inmix[:nc]
-        carry32, carrymix = in32[nc : nc + ncarry], inmix[nc : nc + ncarry]
-        carry_dtypes = _carry_dtypes(carrymix, eqn.invars[nc : nc + ncarry])
-        carrymix = _cast_all(carrymix, carry_dtypes)
-        xs32, xsmix = in32[nc + ncarry :], inmix[nc + ncarry :]
-        body_fp = [*in_fp[:nc], *([False] * (len(in32) - nc))]
-        ys32: list[list[Any]] = []
-        ysmix: list[list[Any]] = []
-        steps = range(length - 1, -1, -1) if p["reverse"] else range(length)
-        for i in steps:
-            o32, omix = self.run(
-                sctx,
-                body,
-                body_consts,
-                [*c32, *carry32, *[x[i] for x in xs32]],
-                [*cmix, *carrymix, *[x[i] for x in xsmix]],
-                body_fp,
-                _join(path, label),
-                here,
-            )
-            carry32 = o32[:ncarry]
-            # Loop carries keep one dtype across iterations.
-            carrymix = _cast_all(omix[:ncarry], carry_dtypes)
-            ys32.append(o32[ncarry:])
-            ysmix.append(omix[ncarry:])
-        if p["reverse"]:
-            ys32.reverse()
-            ysmix.reverse()
-        out_avals = [v.aval for v in eqn.outvars[ncarry:]]
-        return (
-            [*carry32, *_stack(ys32, out_avals)],
-            [*carrymix, *_stack(ysmix, out_avals)],
-        )
-
-    def _while(
-        self,
-        ctx: Any,
-        eqn: jex_core.JaxprEqn,
-        in32: list[Any],
-        inmix: list[Any],
-        in_fp: list[bool],
-        path: str,
-        here: _Parent,
-    ) -> tuple[list[Any], list[Any]]:
-        p = eqn.params
-        cn, bn = p["cond_nconsts"], p["body_nconsts"]
-        (clabel, cj, cconsts), (blabel, bj, bconsts) = sub_jaxprs(eqn)
-        cctx = self._body_ctx(ctx, eqn, clabel)
-        bctx = self._body_ctx(ctx, eqn, blabel)
-        cc32, ccmix = in32[:cn], inmix[:cn]
-        bc32, bcmix = in32[cn : cn + bn], inmix[cn : cn + bn]
-        carry32, carrymix = in32[cn + bn :], inmix[cn + bn :]
-        ncarry = len(carry32)
-        cond_fp = [True] * cn + [False] * ncarry
-        body_fp = [True] * bn + [False] * ncarry
-        carry_dtypes = _carry_dtypes(carrymix, eqn.invars[cn + bn :])
-        carrymix = _cast_all(carrymix, carry_dtypes)
-        where = here[0] or "<unknown>"
-        steps = 0
-        while True:
-            (p32,), (pmix,) = self.run(
-                cctx,
-                cj,
-                cconsts,
-                [*cc32, *carry32],
-                [*ccmix, *carrymix],
-                cond_fp,
-                _join(path, clabel),
-                here,
-            )
-            go32, gomix = bool(p32), bool(pmix)
-            if go32 != gomix or (go32 and steps >= self.max_loop_steps):
-                if go32 != gomix:
-                    self.notes.append(
-                        f"while_loop at {where}: the mixed run "
-                        f"{'stops' if go32 else 'continues'} after {steps} "
-                        "iterations where float32 does not; later iterations are "
-                        "not compared."
-                    )
-                else:
-                    self.notes.append(
-                        f"while_loop at {where}: compared the first {steps} "
-                        "iterations only (max_loop_steps)."
-                    )
-                # Finish each stream on its own from where it is.
-                if go32:
-                    carry32 = _bind(eqn, [*cc32, *bc32, *carry32])
-                if gomix:
-                    carrymix = self.apply(ctx, eqn, [*ccmix, *bcmix, *carrymix], in_fp)
-                return carry32, carrymix
-            if not go32:
-                return carry32, carrymix
-            carry32, omix = self.run(
-                bctx,
-                bj,
-                bconsts,
-                [*bc32, *carry32],
-                [*bcmix, *carrymix],
-                body_fp,
-                _join(path, blabel),
-                here,
-            )
-            carrymix = _cast_all(omix, carry_dtypes)
-            steps += 1
-
-    def _cond(
-        self,
-        ctx: Any,
-        eqn: jex_core.JaxprEqn,
-        in32: list[Any],
-        inmix: list[Any],
-        in_fp: list[bool],
-        path: str,
-        here: _Parent,
-    ) -> tuple[list[Any], list[Any]]:
-        branches = sub_jaxprs(eqn)
-        n = len(branches)
-        i32 = min(max(int(in32[0]), 0), n - 1)
-        imix = min(max(int(inmix[0]), 0), n - 1)
-        if i32 != imix:
-            self.notes.append(
-                f"cond at {here[0] or '<unknown>'}: the mixed run takes "
-                f"branch {imix}, float32 takes branch {i32}; not compared."
-            )
-            return _bind(eqn, in32), self.apply(ctx, eqn, inmix, in_fp)
-        label, branch, consts = branches[i32]
-        out32, _ = self.run(
-            self._body_ctx(ctx, eqn, label),
-            branch,
-            consts,
-            in32[1:],
-            inmix[1:],
-            in_fp[1:],
-            _join(path, label),
-            here,
-        )
-        # Autocast casts every branch's outputs to a common dtype; take the mixed
-        # outputs from the cond rule itself.
-        return out32, self.apply(ctx, eqn, inmix, in_fp)
-
-    # -- statistics -----------------------------------------------------------------
-    def site(
-        self, eqn: jex_core.JaxprEqn, path: str, name: str, here: _Parent
+    def _site(
+        self, walk: Walk, eqn: Any, decision: Any, ran_with: Sequence[Any]
     ) -> _Site:
-        key = (id(eqn), path)
+        key = (id(eqn), walk.path)
         site = self.sites.get(key)
         if site is None:
+            f = record_fields(walk, eqn, decision, ran_with)
             site = _Site(
                 index=len(self.sites),
                 eqn=eqn,
-                primitive=name,
-                source=here[0],
-                path=path,
-                backward=here[1],
-                flops=eqn_flops(eqn),
+                primitive=f["primitive"],
+                source=f["source"],
+                path=f["path"],
+                backward=f["backward"],
+                flops=f["flops"] // max(walk.trip, 1),
+                in_dtypes=f["in_dtypes"],
+                decision=f["decision"],
+                dtype=f["dtype"],
+                op_class=f["op_class"],
+                reason=f["reason"],
             )
             self.sites[key] = site
         return site
 
-    def record(
+    def on_eqn(
         self,
-        ctx: Any,
-        eqn: jex_core.JaxprEqn,
-        site: _Site,
-        in32: list[Any],
-        inmix: list[Any],
-        in_fp: list[bool],
-        out32: list[Any],
-        outmix: list[Any],
-    ) -> bool:
-        """Accumulates the statistics of one op call; returns its ``from_param``."""
-        first_call = site.calls == 0
+        walk: Walk,
+        eqn: Any,
+        decision: Any,
+        ran_with: Sequence[Any],
+        invals: Sequence[Any],
+        outs: Sequence[Any],
+        rerun: Callable[[Sequence[Any]], list[Any]] | None = None,
+    ) -> None:
+        site = self._site(walk, eqn, decision, ran_with)
         site.calls += 1
-        decision, dtype, op_class, reason = self.decide(
-            ctx, eqn, site.primitive, inmix, in_fp
-        )
-        out_fp = op_class in ("clear", "infer") and all(in_fp)
-        if first_call:
+        in32 = [_ref(x) for x in invals]
+        inmix = [_mix(x) for x in invals]
+        out32 = [_ref(x) for x in outs]
+        outmix = [_mix(x) for x in outs]
+        if site.calls == 1:
             site.f32_dtypes = tuple(_dtype_name(x) for x in out32)
-            site.in_dtypes = tuple(
-                dtype if (dtype is not None and _is_float(x)) else _dtype_name(x)
-                for x in inmix
-            )
             site.out_dtypes = tuple(_dtype_name(x) for x in outmix)
-            site.decision, site.dtype = decision, dtype
-            site.op_class, site.reason = op_class, reason
+        self.saw_backward |= site.backward
         if not any(_is_float(x) for x in out32):
-            return out_fp
-
-        # The op's own low-precision run on exact inputs (skipped when it would be
-        # the float32 computation again).
+            return
         same = all(
             _dtype_name(a) == _dtype_name(b) for a, b in zip(in32, inmix, strict=True)
         ) and all(
             _dtype_name(a) == _dtype_name(b) for a, b in zip(out32, outmix, strict=True)
         )
-        # Inputs that the mixed stream already holds in a narrower dtype are cast
-        # to it; if that cast overflows or flushes, the problem was inherited from
-        # upstream (already counted there), not caused here.
+        # The op's own run on exact inputs, cast to the dtypes the autocast
+        # stream has. If that cast overflows or flushes, the problem was
+        # inherited from upstream (already counted there), not caused here.
         inherited_over = inherited_under = False
-        if same and decision != "low":
-            local = out32
+        if rerun is None or (same and site.decision != "low"):
+            local = outmix if rerun is None else out32
         else:
             local_in = []
             for a, b in zip(in32, inmix, strict=True):
@@ -925,17 +602,16 @@ class _Dual:
                     inherited_over |= bool((fa & ~np.isfinite(c64)).any())
                     inherited_under |= bool((fa & (a64 != 0) & (c64 == 0)).any())
                 local_in.append(c)
-            local = self.apply(ctx, eqn, local_in, in_fp)
+            local = rerun(local_in)
 
-        # Input casts into the op's low dtype.
-        if decision == "low" and dtype is not None:
+        if site.decision == "low" and site.dtype is not None:
             for a, b in zip(in32, inmix, strict=True):
                 if not (_is_float(a) and _is_float(b)):
                     continue
-                if np.dtype(b.dtype).itemsize <= np.dtype(dtype).itemsize:
+                if np.dtype(b.dtype).itemsize <= np.dtype(site.dtype).itemsize:
                     continue  # already low: the cast happened upstream
                 a64 = _f64(a)
-                c64 = _f64(_cast(a, dtype))
+                c64 = _f64(_cast(a, site.dtype))
                 fa = np.isfinite(a64)
                 site.cast_overflow += int(np.count_nonzero(fa & ~np.isfinite(c64)))
                 site.cast_underflow += int(
@@ -969,158 +645,15 @@ class _Dual:
             if mags.size:
                 site.max_abs = max(site.max_abs, float(mags.max()))
                 site.min_abs = min(site.min_abs, float(mags.min()))
-                # Gradient magnitudes that are held in 16 bits (loss-scale advice).
-                if site.backward and _is_float(b) and b.dtype.itemsize < 4:
-                    self.grad_max = max(self.grad_max, float(mags.max()))
-                    _, exps = np.frexp(mags)
-                    self.grad_hist += np.bincount(
-                        np.clip(exps + 1100, 0, 2199), minlength=2200
-                    )
-        return out_fp
-
-
-def _carry_dtypes(received: Sequence[Any], invars: Sequence[Any]) -> list[Any]:
-    """Per loop carry: the wider of the received and the original dtype (as the
-    autocast loop rules do), or ``None`` for non-floating carries."""
-    out: list[Any] = []
-    for x, v in zip(received, invars, strict=True):
-        aval_dtype = getattr(getattr(v, "aval", None), "dtype", None)
-        if _is_float(x) and aval_dtype is not None and _is_float(v.aval):
-            out.append(np.dtype(jnp.promote_types(x.dtype, aval_dtype)))
-        else:
-            out.append(None)
-    return out
-
-
-def _cast_all(vals: Sequence[Any], dtypes: Sequence[Any]) -> list[Any]:
-    return [_cast(x, d) for x, d in zip(vals, dtypes, strict=True)]
+                # Backward-pass values are linear in the loss's cotangent, so a
+                # loss scale multiplies every one of them (the loss-scale
+                # advice). Those kept in float32 reach 16 bits at the next dot.
+                if site.backward:
+                    self.grads.add(mags)
 
 
 def _index(site: _Site | None) -> int | None:
     return None if site is None else site.index
-
-
-def _join(path: str, label: str) -> str:
-    return f"{path}/{label}" if path else label
-
-
-def _dtype_name(x: Any) -> str:
-    dtype = getattr(x, "dtype", None)
-    if dtype is None:
-        return type(x).__name__
-    return str(dtype)
-
-
-def _stack(rows: list[list[Any]], avals: Sequence[Any]) -> list[Any]:
-    if not rows:
-        return [jnp.zeros((0, *a.shape), a.dtype) for a in avals]
-    return [jnp.stack(list(col)) for col in zip(*rows, strict=True)]
-
-
-# --------------------------------------------------------------------------------------
-# Advice.
-# --------------------------------------------------------------------------------------
-
-
-def _mixlist_dict(mixlist: Any) -> dict[str, Any] | None:
-    """The user's ``modify_mixlist`` spec as a dict (file path, JSON text or dict)."""
-    if mixlist is None:
-        return None
-    if isinstance(mixlist, Mapping):
-        return copy.deepcopy(dict(mixlist))
-    if isinstance(mixlist, (str, os.PathLike)):
-        text = os.fspath(mixlist)
-        if os.path.exists(text):
-            with open(text, encoding="utf-8") as f:
-                text = f.read()
-        try:
-            spec = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(
-                f"`diagnose(..., mixlist=...)` must be a dict, a JSON string or a "
-                f"path to a JSON file; could not parse {mixlist!r}: {e}"
-            ) from None
-        if not isinstance(spec, dict):
-            raise TypeError(
-                "`diagnose(..., mixlist=...)` JSON must be an object, got "
-                f"{type(spec).__name__}."
-            )
-        return spec
-    if hasattr(mixlist, "classify"):  # an OpLists instance: nothing to merge into
-        return None
-    raise TypeError(
-        "`diagnose(..., mixlist=...)` must be a dict, a JSON string or a path, got "
-        f"{type(mixlist).__name__}."
-    )
-
-
-def merge_black_list(spec: Mapping[str, Any] | None, ops: Sequence[str]) -> dict:
-    """``spec`` (a ``modify_mixlist`` dict) with ``ops`` moved to the black list.
-
-    Conflicting entries of ``spec`` (an op removed from the black list, or added to
-    the white or gray list) are dropped so that the result is valid.
-
-    Examples:
-      >>> merge_black_list({"black-list": {"to-remove": ["exp"]}}, ["exp"])
-      {'black-list': {'to-add': ['exp']}}
-    """
-    out: dict[str, Any] = copy.deepcopy(dict(spec)) if spec else {}
-    if not ops:
-        return out
-    ops = list(dict.fromkeys(ops))
-    for key in ("white-list", "gray-list"):
-        entry = out.get(key)
-        if isinstance(entry, dict) and isinstance(entry.get("to-add"), list):
-            entry["to-add"] = [o for o in entry["to-add"] if o not in ops]
-            if not entry["to-add"]:
-                del entry["to-add"]
-            if not entry:
-                del out[key]
-    black = out.setdefault("black-list", {})
-    if isinstance(black.get("to-remove"), list):
-        black["to-remove"] = [o for o in black["to-remove"] if o not in ops]
-        if not black["to-remove"]:
-            del black["to-remove"]
-    added = list(black.get("to-add", []))
-    black["to-add"] = added + [o for o in ops if o not in added]
-    return out
-
-
-def _advise_black_list(sites: Sequence[_Site], tolerance: float) -> tuple[str, ...]:
-    """Forward ops that run low and overflow, or whose underflow costs accuracy."""
-    names: list[str] = []
-    for s in sites:
-        if s.backward or s.decision != "low":
-            continue
-        over = s.overflow + s.cast_overflow
-        under = s.underflow + s.cast_underflow
-        if over or (under and s.local_rel_error >= tolerance):
-            names.append(s.primitive)
-    return tuple(dict.fromkeys(names))
-
-
-def _suggest_loss_scale(
-    ev: _Dual, low_dtype: np.dtype, loss_scale: float | None, saw_backward: bool
-) -> tuple[float | None, tuple[float, float] | None]:
-    total = int(ev.grad_hist.sum())
-    if not saw_backward or total == 0:
-        return None, None
-    scale0 = 1.0 if loss_scale is None else float(loss_scale)
-    exps = np.arange(ev.grad_hist.size) - 1100  # |g| in [2**(e-1), 2**e)
-    nonzero = np.nonzero(ev.grad_hist)[0]
-    lo = 2.0 ** float(exps[nonzero[0]] - 1) / scale0
-    hi = ev.grad_max / scale0
-    if low_dtype != np.dtype(np.float16):
-        return None, (lo, hi)
-    # The 1st percentile of the magnitudes should land in float16's normal range,
-    # and the largest must stay below its maximum with one bit of headroom.
-    cdf = np.cumsum(ev.grad_hist) / total
-    q_exp = float(exps[int(np.searchsorted(cdf, 0.01))] - 1)
-    q = 2.0**q_exp / scale0
-    needed = 2.0 ** math.ceil(math.log2(_FLOAT16_TINY / q))
-    upper = 2.0 ** math.floor(math.log2(_FLOAT16_MAX / hi / 2.0)) if hi else math.inf
-    scale = min(max(needed, 1.0), upper, _MAX_LOSS_SCALE)
-    return float(max(scale, 1.0)), (lo, hi)
 
 
 # --------------------------------------------------------------------------------------
@@ -1128,16 +661,38 @@ def _suggest_loss_scale(
 # --------------------------------------------------------------------------------------
 
 
+def _mixlist_dict(mixlist: Any) -> dict[str, Any] | None:
+    """The user's ``modify_mixlist`` spec as a dict, read by the same loader as
+    autocast's (``//`` comments and all)."""
+    if mixlist is None or isinstance(mixlist, OpLists):
+        return None
+    spec = load_spec(mixlist)
+    if not isinstance(spec, Mapping):
+        raise TypeError(
+            "`diagnose(..., mixlist=...)` JSON must be an object, got "
+            f"{type(spec).__name__}."
+        )
+    return copy.deepcopy(dict(spec))
+
+
+def _widen_16bit(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    def widen(x: Any) -> Any:
+        if _is_float(x) and np.dtype(x.dtype).itemsize < 4:
+            return jnp.asarray(x, jnp.float32)
+        return x
+
+    return tuple(jax.tree.map(widen, args))
+
+
 def _evaluate(
-    fn: Callable[..., Any], args: tuple[Any, ...], ctx: Any, max_loop_steps: int
-) -> tuple[_Dual, list[Any], list[Any]]:
+    fn: Callable[..., Any], args: tuple[Any, ...], config: Any, max_loop_steps: int
+) -> tuple[_Comparer, list[Any], list[Any]]:
     closed = jax.make_jaxpr(fn)(*args)
     flat = jax.tree.leaves(args)
-    ev = _Dual(interpreter, max_loop_steps=max_loop_steps)
-    out32, outmix = ev.run(
-        ctx, closed.jaxpr, closed.consts, flat, flat, [True] * len(flat), ""
-    )
-    return ev, out32, outmix
+    comparer = _Comparer(max_loop_steps=max_loop_steps)
+    walk = Walk(config, observer=comparer, dual=True)
+    outs, _ = itp.eval_jaxpr(walk, closed, (), [Dual(x, x) for x in flat])
+    return comparer, [_ref(o) for o in outs], [_mix(o) for o in outs]
 
 
 def _refine_advice(
@@ -1154,15 +709,16 @@ def _refine_advice(
 ) -> tuple[tuple[str, ...], bool | None, list[str]]:
     """Black-lists the earliest problem op, re-runs, and repeats until clean.
 
-    Fixing an op often fixes the ops downstream of it (a gray op that ran low only
-    because its input did), so ops are added one at a time in evaluation order.
-    Returns ``(ops, verified, notes)``; ``verified`` says whether a run with the
-    suggested mixlist is free of problems (``None`` if nothing was suggested).
+    Fixing an op often fixes the ops downstream of it (a gray op that ran low
+    only because its operand did), so ops are added one at a time in evaluation
+    order. Returns ``(ops, verified, notes)``; ``verified`` says whether a run
+    with the suggested mixlist is free of problems (``None`` if nothing was
+    suggested).
     """
     chosen: list[str] = []
     rejected: set[str] = set()
     notes: list[str] = []
-    candidates = _advise_black_list(sites, tolerance)
+    candidates = advise_black_list(sites, tolerance)
     for _ in range(max_rounds):
         new = [c for c in candidates if c not in chosen and c not in rejected]
         if not new:
@@ -1170,14 +726,14 @@ def _refine_advice(
         op = new[0]
         spec = merge_black_list(user_spec, [*chosen, op])
         try:
-            ctx = interpreter.make_context(policy, mode=mode, mixlist=spec)
+            config = make_config(policy, mode=mode, mixlist=spec)
         except ValueError as e:
             notes.append(f"cannot black-list {op!r}: {e}")
             rejected.add(op)
             continue
         chosen.append(op)
-        ev, _, _ = _evaluate(fn, args, ctx, max_loop_steps)
-        candidates = _advise_black_list(list(ev.sites.values()), tolerance)
+        comparer, _, _ = _evaluate(fn, args, config, max_loop_steps)
+        candidates = advise_black_list(list(comparer.sites.values()), tolerance)
     if not chosen:
         return (), None, notes
     remaining = [c for c in candidates if c not in rejected]
@@ -1218,7 +774,9 @@ def diagnose(
 
     Args:
       fn: the function to diagnose (called once per stream, with ``args``).
-      *args: example arguments; floating arrays are taken as float32.
+      *args: example arguments (concrete arrays). 16-bit floating arrays are
+        widened to float32, the reference precision; float64 (under
+        ``jax_enable_x64``) is kept, and autocast runs it as written.
       policy: a :class:`mixprec.Policy` or policy string; default: the global one.
       mode: the precision mode (see :func:`mixprec.autocast`).
       mixlist: a ``modify_mixlist`` spec (dict, JSON string or path).
@@ -1243,16 +801,16 @@ def diagnose(
       >>> import jax.numpy as jnp
       >>> import mixprec
       >>> def f(w, x):
-      ...     h = x @ w                # float16 under mixed_float16
-      ...     return jnp.square(h)     # 256.0 ** 2 = 65536 overflows float16
+      ...     h, g = x @ w, x @ w.T    # float16 under mixed_float16
+      ...     return h * g             # 256.0 * 256.0 = 65536 overflows float16
       >>> w = jnp.eye(8)
       >>> x = jnp.full((8, 8), 256.0)
       >>> report = mixprec.diagnose(f, w, x, policy="mixed_float16")
       >>> op = report.first_nonfinite_op
-      >>> op.primitive, op.overflow, op.line  # line 3 of `f`: jnp.square
-      ('square', 64, 3)
+      >>> op.primitive, op.overflow, op.line  # line 3 of `f`: h * g
+      ('mul', 64, 3)
       >>> report.suggested_mixlist
-      {'black-list': {'to-add': ['square']}}
+      {'black-list': {'to-add': ['mul']}}
       >>> report.advice_verified
       True
       >>> fixed = mixprec.autocast(f, "mixed_float16",
@@ -1285,10 +843,10 @@ def diagnose(
                 "`jax.grad` with real arrays (use `mixprec.explain` for shapes only)."
             )
     user_spec = _mixlist_dict(mixlist)
-    ctx = interpreter.make_context(policy, mode=mode, mixlist=mixlist)
-    low = np.dtype(ctx.low_dtype)
-    args = float32_args(args)
-    ev, out32, outmix = _evaluate(fn_to_run, args, ctx, max_loop_steps)
+    config = make_config(policy, mode=mode, mixlist=mixlist)
+    low = np.dtype(config.low_dtype)
+    args = _widen_16bit(args)
+    ev, out32, outmix = _evaluate(fn_to_run, args, config, max_loop_steps)
 
     sites = list(ev.sites.values())
     ops = tuple(s.freeze() for s in sites)
@@ -1314,10 +872,9 @@ def diagnose(
         )
         notes.extend(more)
     else:
-        to_black, verified = _advise_black_list(sites, tolerance), None
+        to_black, verified = advise_black_list(sites, tolerance), None
     suggested = merge_black_list(user_spec, to_black)
-    saw_backward = any(s.backward for s in sites)
-    loss_scale_hint, grad_range = _suggest_loss_scale(ev, low, scale, saw_backward)
+    loss_scale_hint, grad_range = suggest_loss_scale(ev.grads, low, scale)
     alignment = []
     for s in sites:
         if s.decision == "low":
@@ -1326,18 +883,18 @@ def diagnose(
                 alignment.append(issue)
     if low == _F32:
         notes.append(
-            f"policy {ctx.policy} computes in float32: nothing runs in low "
+            f"policy {config.policy} computes in float32: nothing runs in low "
             "precision (pass e.g. policy='mixed_float16')."
         )
-    if mode == "force_fp16" and (to_black or _advise_black_list(sites, tolerance)):
+    if mode == "force_fp16" and (to_black or advise_black_list(sites, tolerance)):
         notes.append(
             "mode 'force_fp16' lowers every op regardless of the lists; use "
             "'allow_mix_precision' for a mixlist to take effect."
         )
     return DiagnosisReport(
         ops=ops,
-        policy=str(ctx.policy),
-        mode=str(ctx.mode),
+        policy=str(config.policy),
+        mode=str(config.mode),
         low_dtype=str(low),
         mixlist=user_spec,
         loss_scale=scale,

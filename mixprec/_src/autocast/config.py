@@ -1,0 +1,113 @@
+"""The configuration of one autocast transform (hashable: it keys the caches)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+from mixprec._src.autocast.mixlist import modify_mixlist
+from mixprec._src.autocast.modes import effective_low_dtype, validate_mode
+from mixprec._src.autocast.ops import OpLists, default_op_lists
+from mixprec._src.policy import Policy, get_global_policy, get_policy
+
+
+__all__ = ["CastConfig", "make_config"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CastConfig:
+    """What one :func:`mixprec.autocast` transform was asked to do.
+
+    Attributes:
+        policy: the :class:`mixprec.Policy` in effect.
+        mode: the precision mode (see ``mixprec._src.autocast.modes``).
+        lists: the :class:`~mixprec.OpLists` (allow / deny / infer / clear).
+        low_dtype: the dtype allow-list ops run in (the policy's compute dtype,
+            or the one the mode forces).
+        strict: raise ``NotImplementedError`` for an op in no list.
+        platform: the backend dots and convolutions are formulated for.
+        custom_vjp_dots: formulate low-precision CPU dots with a
+            ``custom_vjp`` whose backward dots are low precision too (for a
+            call under reverse-mode AD; ``jax.jvp`` cannot go through one).
+
+    Examples:
+        >>> cfg = make_config("mixed_bfloat16")
+        >>> cfg.low_dtype, cfg.mode
+        (dtype(bfloat16), 'allow_mix_precision')
+    """
+
+    policy: Policy
+    mode: str
+    lists: OpLists
+    low_dtype: np.dtype
+    strict: bool = False
+    platform: str = "cpu"
+    custom_vjp_dots: bool = False
+
+    def with_policy(self, policy: Policy) -> CastConfig:
+        """This configuration under another policy (and its low dtype)."""
+        return dataclasses.replace(
+            self,
+            policy=policy,
+            low_dtype=effective_low_dtype(self.mode, policy.compute_dtype),
+        )
+
+
+def make_config(
+    policy: Policy | str | None = None,
+    *,
+    mode: str = "allow_mix_precision",
+    mixlist: Any = None,
+    strict: bool = False,
+    custom_vjp_dots: bool = False,
+    lists: OpLists | None = None,
+    platform: str | None = None,
+) -> CastConfig:
+    """Builds the :class:`CastConfig` that :func:`mixprec.autocast` would use.
+
+    Args:
+        policy: a policy or policy string; None means the global policy.
+        mode: the precision mode.
+        mixlist: a ``modify_mixlist`` spec (dict, JSON string or path) applied
+            to the lists, an :class:`~mixprec.OpLists` to use as they are, or None.
+        strict: raise for primitives in no list.
+        custom_vjp_dots: formulate CPU dots with a ``custom_vjp``.
+        lists: start from these lists instead of the defaults.
+        platform: the backend to formulate dots for (default: JAX's default).
+
+    Returns:
+        The configuration.
+
+    Raises:
+        TypeError: ``strict`` or ``custom_vjp_dots`` is not a bool.
+        ValueError: unknown ``mode`` or policy, or a bad ``mixlist``.
+
+    Examples:
+        >>> make_config("mixed_float16", mode="allow_mix_precision_bf16").low_dtype
+        dtype(bfloat16)
+    """
+    for name, value in (("strict", strict), ("custom_vjp_dots", custom_vjp_dots)):
+        if not isinstance(value, bool | np.bool_):
+            raise TypeError(
+                f"`autocast(..., {name}=...)` must be True or False, got "
+                f"{value!r} ({type(value).__name__}) instead."
+            )
+    pol = get_global_policy() if policy is None else get_policy(policy)
+    validate_mode(mode)
+    base = default_op_lists() if lists is None else lists
+    if mixlist is not None:
+        base = (
+            mixlist if isinstance(mixlist, OpLists) else modify_mixlist(base, mixlist)
+        )
+    return CastConfig(
+        policy=pol,
+        mode=mode,
+        lists=base,
+        low_dtype=effective_low_dtype(mode, pol.compute_dtype),
+        strict=bool(strict),
+        platform=platform or jax.default_backend(),
+        custom_vjp_dots=bool(custom_vjp_dots),
+    )

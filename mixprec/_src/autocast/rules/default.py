@@ -1,0 +1,209 @@
+"""Shared machinery of the higher-order rules, and the default one.
+
+:func:`transform_jaxpr` interprets a body with a walk and traces the result to a
+new jaxpr; the higher-order rules rebind their primitive around it.
+:func:`default_higher_order_rule` runs every higher-order primitive without a
+rule of its own (``custom_linear_solve``, ``linear_call``, ``reduce``, ...): it
+keeps the equation's types at its boundary (operands cast back to the dtypes
+they were traced with, results cast back to theirs) and transforms every jaxpr
+parameter, so the body's matmuls still run in the low dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+from jax.extend.core import ClosedJaxpr, Jaxpr
+
+from mixprec._src import _compat
+from mixprec._src.autocast import interpreter as itp, ops
+from mixprec._src.autocast.interpreter import CastContext, Dual, Walk
+
+
+__all__ = [
+    "cast_all",
+    "default_higher_order_rule",
+    "hoist_consts",
+    "run_whole_dual",
+    "transform_jaxpr",
+]
+
+
+def aval_of(x: Any) -> Any:
+    """The abstract value of a value (``Dual``: of its autocast part)."""
+    return _compat.get_aval(x.mix if isinstance(x, Dual) else x)
+
+
+def cast_all(vals: Sequence[Any], dtypes: Sequence[Any]) -> list[Any]:
+    """Casts each floating value to its dtype (``None``: left alone); ``Dual``
+    values have their autocast part cast."""
+    out = []
+    for x, d in zip(vals, dtypes, strict=True):
+        if d is None:
+            out.append(x)
+        elif isinstance(x, Dual):
+            out.append(Dual(x.ref, itp.cast(x.mix, d)))
+        else:
+            out.append(itp.cast(x, d))
+    return out
+
+
+def float_dtype(x: Any) -> np.dtype | None:
+    """The floating dtype of a value or aval (``Dual``: its autocast part)."""
+    return itp._float_dtype(x.mix if isinstance(x, Dual) else x)
+
+
+def transform_jaxpr(
+    walk: Walk,
+    jaxpr: Jaxpr | ClosedJaxpr,
+    in_avals: Sequence[Any],
+    in_marks: Sequence[int] | None = None,
+    *,
+    out_dtypes: Sequence[Any] | None = None,
+    name: str = "body",
+) -> tuple[ClosedJaxpr, list[int]]:
+    """Interprets ``jaxpr`` with ``walk`` at ``in_avals`` and traces it.
+
+    Floating results are cast to ``out_dtypes`` (``None`` entries: left as they
+    come). Returns the new closed jaxpr and the marks of its results.
+    """
+    box: dict[str, list[int]] = {}
+
+    def fun(*args: Any) -> list[Any]:
+        outs, marks = itp.eval_jaxpr(walk, jaxpr, (), args, in_marks)
+        box["marks"] = marks
+        if out_dtypes is not None:
+            outs = cast_all(outs, out_dtypes)
+        return outs
+
+    new = _compat.trace_to_closed_jaxpr(fun, list(in_avals), name=name)
+    return new, box["marks"]
+
+
+def hoist_consts(closed: ClosedJaxpr) -> tuple[ClosedJaxpr, list[Any]]:
+    """``closed`` with its constants turned into leading inputs (as
+    ``lax.scan`` and ``lax.while_loop`` pass them)."""
+    if not closed.consts:
+        return closed, []
+    jaxpr = _compat.convert_constvars_jaxpr(closed.jaxpr)
+    return ClosedJaxpr(jaxpr, ()), list(closed.consts)
+
+
+def out_avals_of(jaxpr: Jaxpr | ClosedJaxpr) -> list[Any]:
+    if isinstance(jaxpr, ClosedJaxpr):
+        return list(jaxpr.out_avals)
+    return [v.aval for v in jaxpr.outvars]
+
+
+def in_avals_of(jaxpr: Jaxpr | ClosedJaxpr) -> list[Any]:
+    if isinstance(jaxpr, ClosedJaxpr):
+        return list(jaxpr.in_avals)
+    return [v.aval for v in jaxpr.invars]
+
+
+def _map_jaxprs(value: Any, fn: Callable[[Any], Any]) -> Any:
+    if isinstance(value, Jaxpr | ClosedJaxpr):
+        return fn(value)
+    if isinstance(value, tuple) and any(
+        isinstance(v, Jaxpr | ClosedJaxpr | tuple) for v in value
+    ):
+        items = [_map_jaxprs(v, fn) for v in value]
+        if hasattr(value, "_fields"):  # a NamedTuple (custom_linear_solve)
+            return type(value)(*items)
+        return tuple(items)
+    return value
+
+
+class _KeepAsWritten(Exception):
+    """An open jaxpr parameter would need constants it cannot hold."""
+
+
+def _type_preserving(walk: Walk, label: str) -> Callable[[Any], Any]:
+    def fn(jaxpr: Any) -> Any:
+        closed, _ = transform_jaxpr(
+            walk.body(label),
+            jaxpr,
+            in_avals_of(jaxpr),
+            out_dtypes=[float_dtype(a) for a in out_avals_of(jaxpr)],
+            name=label,
+        )
+        if isinstance(jaxpr, ClosedJaxpr):
+            return closed
+        if closed.consts:
+            raise _KeepAsWritten
+        return closed.jaxpr
+
+    return fn
+
+
+def _bind_eqn(eqn: Any, invals: Sequence[Any], params: dict[str, Any]) -> list[Any]:
+    bind_params = eqn.primitive.get_bind_params(params)
+    subfuns: Sequence[Any] = ()
+    if isinstance(bind_params, tuple):  # older JAX: (subfuns, params)
+        subfuns, bind_params = bind_params
+    out = eqn.primitive.bind(*subfuns, *invals, **bind_params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def run_whole_dual(
+    ctx: CastContext, invals: Sequence[Any], staged: Callable[..., Any], note: str
+) -> Any:
+    """Runs a higher-order equation of a dual walk as a whole: the reference as
+    written, the autocast value with ``staged`` (the rule on plain values)."""
+    eqn = ctx.eqn
+    ref_in = [x.ref if isinstance(x, Dual) else x for x in invals]
+    mix_in = [x.mix if isinstance(x, Dual) else x for x in invals]
+    plain = CastContext(
+        ctx.config, eqn, ctx.decision, ctx.walk.staged(), ctx.marks, ctx.out_marks
+    )
+    mix_out = staged(plain, *mix_in, **eqn.params)
+    mix_out = list(mix_out) if eqn.primitive.multiple_results else [mix_out]
+    ref_out = itp.bind_as_written(eqn, ref_in)
+    outs = [Dual(r, m) for r, m in zip(ref_out, mix_out, strict=True)]
+    observer = ctx.walk.observer
+    if observer is not None:
+        observer.on_note(ctx.walk, eqn, note)
+        duals = [Dual(r, m) for r, m in zip(ref_in, mix_in, strict=True)]
+        observer.on_eqn(
+            ctx.walk,
+            eqn,
+            ctx.decision,
+            itp.ran_with(ctx.decision, eqn, mix_in),
+            duals,
+            outs,
+        )
+    return outs if eqn.primitive.multiple_results else outs[0]
+
+
+def default_higher_order_rule(ctx: CastContext, *invals: Any, **params: Any) -> Any:
+    """Runs a higher-order primitive that has no rule of its own.
+
+    The equation keeps its traced types at its boundary; every jaxpr parameter
+    is interpreted and traced again with those types, so ops inside are still
+    decided one by one. If a parameter is an open jaxpr whose transformed body
+    would need constants, the equation runs as written.
+    """
+    eqn = ctx.eqn
+    if ctx.walk.dual:
+        return run_whole_dual(
+            ctx,
+            invals,
+            default_higher_order_rule,
+            f"{eqn.primitive.name}: compared as a whole, not op by op",
+        )
+    args = [
+        itp.cast(x, itp.aval_dtype(v)) if float_dtype(x) is not None else x
+        for x, v in zip(invals, eqn.invars, strict=True)
+    ]
+    fn = _type_preserving(ctx.walk, eqn.primitive.name)
+    try:
+        new_params = {k: _map_jaxprs(v, fn) for k, v in params.items()}
+    except _KeepAsWritten:
+        new_params = dict(params)
+    outs = _bind_eqn(eqn, args, new_params)
+    return outs if eqn.primitive.multiple_results else outs[0]
+
+
+ops.set_default_higher_order_rule(default_higher_order_rule)

@@ -1,0 +1,99 @@
+"""Rules for matmuls and convolutions: the allow list's own ops.
+
+A dot decided low runs through :mod:`mixprec._src.autocast.dots`, which
+formulates it for the backend; a dot decided float32 (``precision=HIGHEST``, a
+float32 policy) or as written runs through the default rule. On CPU the dot's
+float32 product is kept, so that a bias add right after it can run on it
+(the interpreter's epilogue: one rounding, one XLA kernel fewer per layer).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from jax import lax
+from jax.extend.core import primitives as P
+
+from mixprec._src.autocast import dots, interpreter as itp, ops
+from mixprec._src.autocast.decide import Precision
+from mixprec._src.autocast.interpreter import CONST, CastContext
+
+
+__all__: list[str] = []
+
+_F32 = np.dtype(np.float32)
+
+
+def _low_dtype(ctx: CastContext, lhs: Any, rhs: Any) -> np.dtype | None:
+    """The 16-bit (or narrower) dtype the product runs in through ``dots``, or
+    ``None`` to run it through the default rule."""
+    d = ctx.decision
+    if (
+        d.precision is not Precision.LOW
+        or d.dtype is None
+        or itp._float_dtype(lhs) is None
+        or itp._float_dtype(rhs) is None
+        or d.dtype.itemsize > 2
+    ):
+        return None
+    return d.dtype
+
+
+def _saturated(ctx: CastContext, vals: tuple[Any, ...], low: np.dtype) -> list[Any]:
+    """Constant operands saturate instead of overflowing when rounded."""
+    out = []
+    for x, m in zip(vals, ctx.marks, strict=True):
+        dt = itp._float_dtype(x)
+        if m & CONST and dt is not None and dt.itemsize > low.itemsize:
+            x = itp.clip_to_range(x, low)
+        out.append(x)
+    return out
+
+
+def _dot_general_rule(ctx: CastContext, lhs: Any, rhs: Any, **params: Any) -> Any:
+    low = _low_dtype(ctx, lhs, rhs)
+    if low is None:
+        return itp.default_rule(P.dot_general_p, ctx, lhs, rhs, **params)
+    lhs, rhs = _saturated(ctx, (lhs, rhs), low)
+    out_dtype = ctx.decision.out_dtype or low
+    keep_wide = ctx.platform == "cpu" and out_dtype != _F32
+    res = dots.dot_general(
+        lhs,
+        rhs,
+        dimension_numbers=params["dimension_numbers"],
+        precision=params.get("precision"),
+        preferred_element_type=params.get("preferred_element_type"),
+        low_dtype=low,
+        out_dtype=_F32 if keep_wide else out_dtype,
+        forward_mode_ad=not ctx.config.custom_vjp_dots,
+        out_sharding=params.get("out_sharding"),
+        platform=ctx.platform,
+    )
+    if not keep_wide:
+        return res
+    out = lax.convert_element_type(res, out_dtype)
+    ctx.walk.wide[ctx.eqn.outvars[0]] = res
+    return out
+
+
+def _conv_general_dilated_rule(
+    ctx: CastContext, lhs: Any, rhs: Any, **params: Any
+) -> Any:
+    low = _low_dtype(ctx, lhs, rhs)
+    if low is None:
+        return itp.default_rule(P.conv_general_dilated_p, ctx, lhs, rhs, **params)
+    lhs, rhs = _saturated(ctx, (lhs, rhs), low)
+    return dots.conv_general_dilated(
+        lhs,
+        rhs,
+        low_dtype=low,
+        out_dtype=ctx.decision.out_dtype or low,
+        forward_mode_ad=not ctx.config.custom_vjp_dots,
+        platform=ctx.platform,
+        **params,
+    )
+
+
+ops.set_rule("dot_general", _dot_general_rule)
+ops.set_rule("conv_general_dilated", _conv_general_dilated_rule)

@@ -1,0 +1,408 @@
+"""What the numerics tools know about one equation autocast ran.
+
+The interpreter's walk reports each equation to an observer
+(:class:`~mixprec._src.autocast.interpreter.Observer`); :class:`Recorder` turns
+the reports into :class:`OpRecord`\\ s for ``mixprec.explain``, and
+``mixprec.diagnose`` builds on the same fields. This module also holds what both
+reports need about an equation: its user source line, whether it belongs to a
+backward pass, its FLOPs (one formula), and the tensor-core alignment lint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from jax.extend import core as jex_core
+
+from mixprec._src import _compat
+from mixprec._src.autocast import ops
+
+
+__all__ = [
+    "AlignmentIssue",
+    "OpRecord",
+    "Recorder",
+    "eqn_flops",
+    "eqn_source",
+    "lint_eqn",
+    "parse_source",
+    "short_source",
+]
+
+_SOURCE_RE = re.compile(r"^(?P<file>.*?):(?P<line>\d+)(?: \((?P<fn>.*)\))?$")
+
+
+def eqn_source(eqn: jex_core.JaxprEqn) -> str:
+    """``"file.py:LINE (function)"`` of the user code behind ``eqn`` (or ``""``)."""
+    return _compat.eqn_source_summary(eqn.source_info)
+
+
+def parse_source(source: str) -> tuple[str, int | None, str]:
+    """Split ``"file.py:LINE (function)"`` into ``(file, line, function)``.
+
+    Examples:
+        >>> parse_source("/a/model.py:12 (mlp)")
+        ('/a/model.py', 12, 'mlp')
+    """
+    match = _SOURCE_RE.match(source)
+    if match is None:
+        return source, None, ""
+    return match["file"], int(match["line"]), match["fn"] or ""
+
+
+def short_source(source: str) -> str:
+    """``source`` with the directory dropped: ``"model.py:12 (mlp)"``.
+
+    Examples:
+        >>> short_source("/a/model.py:12 (mlp)")
+        'model.py:12 (mlp)'
+    """
+    file, line, fn = parse_source(source)
+    if line is None:
+        return source
+    text = f"{os.path.basename(file)}:{line}"
+    return f"{text} ({fn})" if fn else text
+
+
+def _size(shape: Sequence[Any]) -> int:
+    try:
+        return int(math.prod(int(d) for d in shape))
+    except Exception:  # noqa: BLE001  (symbolic dimensions)
+        return 0
+
+
+def _shape(v: Any) -> tuple[Any, ...]:
+    aval = getattr(v, "aval", v)
+    return tuple(getattr(aval, "shape", ()))
+
+
+def dot_dims(eqn: jex_core.JaxprEqn) -> dict[str, int] | None:
+    """``{"M", "N", "K", "batch"}`` sizes of a ``dot_general`` (``None`` otherwise)."""
+    if eqn.primitive.name != "dot_general":
+        return None
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    lhs, rhs = _shape(eqn.invars[0]), _shape(eqn.invars[1])
+    k = _size([lhs[i] for i in lc])
+    batch = _size([lhs[i] for i in lb])
+    m = _size([d for i, d in enumerate(lhs) if i not in set(lc) | set(lb)])
+    n = _size([d for i, d in enumerate(rhs) if i not in set(rc) | set(rb)])
+    return {"M": m, "N": n, "K": k, "batch": batch}
+
+
+def conv_dims(eqn: jex_core.JaxprEqn) -> dict[str, int] | None:
+    """Input/output channels and kernel size of a ``conv_general_dilated``."""
+    if eqn.primitive.name != "conv_general_dilated":
+        return None
+    dn = eqn.params["dimension_numbers"]
+    rhs = _shape(eqn.invars[1])
+    rhs_spec = tuple(dn.rhs_spec)
+    out_c, in_c = rhs[rhs_spec[0]], rhs[rhs_spec[1]]
+    window = _size([rhs[i] for i in rhs_spec[2:]])
+    return {"C_in": _size([in_c]), "C_out": _size([out_c]), "window": window}
+
+
+def eqn_flops(eqn: jex_core.JaxprEqn) -> int:
+    """Floating-point operations of one equation (its sub-jaxprs excluded).
+
+    ``dot_general``: ``2·batch·M·N·K``; convolutions: ``2·out·C_in/groups·window``;
+    reductions: one per input element; ops without arithmetic (clear data
+    movement, higher-order primitives, integer ops): zero; every other floating
+    op: one per output element.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> eqns = jax.make_jaxpr(lambda x: jnp.tanh(x @ x).reshape(-1))(
+        ...     jnp.ones((4, 4))).eqns
+        >>> [(e.primitive.name, eqn_flops(e)) for e in eqns]
+        [('dot_general', 128), ('tanh', 16), ('reshape', 0)]
+    """
+    name = eqn.primitive.name
+    out_size = sum(_size(_shape(v)) for v in eqn.outvars)
+    if name == "dot_general":
+        dims = dot_dims(eqn)
+        assert dims is not None
+        return 2 * out_size * dims["K"]
+    if name == "conv_general_dilated":
+        dims = conv_dims(eqn)
+        assert dims is not None
+        # The kernel's input-feature dimension is already C_in / groups.
+        return 2 * out_size * dims["C_in"] * dims["window"]
+    spec = ops.spec_for(name)
+    if spec is None or spec.op_class in (None, "clear"):
+        return 0
+    if not any(_is_float_aval(v) for v in eqn.outvars):
+        return 0
+    if name.startswith(("reduce_", "cum", "arg")):
+        return sum(_size(_shape(v)) for v in eqn.invars)
+    return out_size
+
+
+def _is_float_aval(v: Any) -> bool:
+    dtype = getattr(getattr(v, "aval", None), "dtype", None)
+    try:
+        return (
+            dtype is not None
+            and bool(np.issubdtype(dtype, np.floating))
+            or (str(dtype) == "bfloat16")
+        )
+    except TypeError:
+        return False
+
+
+# ---------------------------------------------------------------- alignment
+
+
+def alignment_multiple(dtype: Any) -> int | None:
+    """8 for 16-bit floats, 16 for 8-bit types, ``None`` for wider dtypes.
+
+    Examples:
+        >>> alignment_multiple("bfloat16"), alignment_multiple("float32")
+        (8, None)
+    """
+    if dtype is None:
+        return None
+    bits = np.dtype(dtype).itemsize * 8
+    return {16: 8, 8: 16}.get(bits)
+
+
+@dataclasses.dataclass(frozen=True)
+class AlignmentIssue:
+    """A matmul or convolution whose dimensions do not suit tensor cores.
+
+    NVIDIA tensor cores need the matrix dimensions of 16-bit matmuls to be
+    multiples of 8 (multiples of 16 for 8-bit types); otherwise cuBLAS/cuDNN pick
+    slower kernels or pad internally (Keras mixed-precision guide).
+
+    Attributes:
+      primitive: ``"dot_general"`` or ``"conv_general_dilated"``.
+      source: user source location ``"file.py:LINE (function)"``.
+      path: nesting through higher-order primitives.
+      dtype: the dtype the op runs in.
+      multiple: the required multiple (8 or 16).
+      dims: every relevant dimension, e.g. ``{"M": 64, "N": 10, "K": 784}``.
+      misaligned: the names of the dimensions that are not multiples.
+
+    Examples:
+      >>> issue = AlignmentIssue("dot_general", "m.py:3 (f)", "", "float16", 8,
+      ...                        {"M": 32, "N": 10, "K": 64}, ("N",))
+      >>> print(issue.message())
+      dot_general at m.py:3 (f) [float16]: N=10 not a multiple of 8 (pad N to 16)
+    """
+
+    primitive: str
+    source: str
+    path: str
+    dtype: str
+    multiple: int
+    dims: Mapping[str, int]
+    misaligned: tuple[str, ...]
+
+    def message(self) -> str:
+        """One line naming the op, its line, and what to pad."""
+        bad = ", ".join(f"{d}={self.dims[d]}" for d in self.misaligned)
+        pads = ", ".join(
+            f"{d} to {-(-self.dims[d] // self.multiple) * self.multiple}"
+            for d in self.misaligned
+        )
+        where = short_source(self.source) or "<unknown>"
+        verb = "not a multiple" if len(self.misaligned) == 1 else "not multiples"
+        return (
+            f"{self.primitive} at {where} [{self.dtype}]: {bad} {verb} of "
+            f"{self.multiple} (pad {pads})"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable dict."""
+        d = dataclasses.asdict(self)
+        d["dims"] = dict(self.dims)
+        d["misaligned"] = list(self.misaligned)
+        d["message"] = self.message()
+        return d
+
+
+def lint_eqn(
+    eqn: jex_core.JaxprEqn, dtype: Any, *, source: str | None = None, path: str = ""
+) -> AlignmentIssue | None:
+    """The alignment issue of one dot/conv equation run in ``dtype``, if any."""
+    multiple = alignment_multiple(dtype)
+    if multiple is None:
+        return None
+    dims = dot_dims(eqn) or conv_dims(eqn)
+    if dims is None:
+        return None
+    checked = ("M", "N", "K") if "K" in dims else ("C_in", "C_out")
+    bad = tuple(d for d in checked if dims[d] and dims[d] % multiple)
+    if not bad:
+        return None
+    return AlignmentIssue(
+        primitive=eqn.primitive.name,
+        source=eqn_source(eqn) if source is None else source,
+        path=path,
+        dtype=str(np.dtype(dtype)),
+        multiple=multiple,
+        dims={k: v for k, v in dims.items() if k != "window"},
+        misaligned=bad,
+    )
+
+
+# ---------------------------------------------------------------- records
+
+
+def _dtype_str(dtype: Any) -> str:
+    try:
+        return str(np.dtype(dtype))
+    except TypeError:  # extended dtypes (PRNG keys)
+        return str(dtype)
+
+
+def _dtype_name(x: Any) -> str:
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        return type(x).__name__
+    return str(dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class OpRecord:
+    """One equation as autocast runs it.
+
+    Attributes:
+        index: position in evaluation order.
+        primitive: the primitive name (``"dot_general"``).
+        source: ``"file.py:LINE (function)"`` of the user code, or ``""``.
+        path: the nesting, e.g. ``"jit(f)/scan/body"`` (``""`` at top level).
+        backward: the equation belongs to a backward pass (JAX names those
+            ``transpose(...)``).
+        in_dtypes: the dtypes its operands run in (after autocast's casts).
+        out_dtypes: the dtypes of its results.
+        in_shapes: the operand shapes.
+        out_shapes: the result shapes.
+        op_class: ``"allow"``, ``"deny"``, ``"infer"`` or ``"clear"``.
+        decision: ``"low"``, ``"float32"``, ``"received"`` (as the operands
+            arrive) or ``"original"`` (as written).
+        dtype: the dtype floating operands were cast to, or None.
+        reason: why.
+        flops: floating-point operations, times the trip count of an
+            enclosing ``scan``.
+        eqn: the equation itself (not compared, not serialised).
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> import mixprec
+        >>> ops = mixprec.explain(lambda x: jnp.exp(x @ x), jnp.ones((2, 2)),
+        ...                       policy="mixed_bfloat16").ops
+        >>> [(op.primitive, op.decision, op.out_dtypes) for op in ops]
+        [('dot_general', 'low', ('bfloat16',)), ('exp', 'float32', ('float32',))]
+    """
+
+    index: int
+    primitive: str
+    source: str
+    path: str
+    backward: bool
+    in_dtypes: tuple[str, ...]
+    out_dtypes: tuple[str, ...]
+    in_shapes: tuple[tuple[int, ...], ...]
+    out_shapes: tuple[tuple[int, ...], ...]
+    op_class: str
+    decision: str
+    dtype: str | None
+    reason: str
+    flops: int
+    eqn: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+    @property
+    def line(self) -> int | None:
+        """The user source line number, or ``None``."""
+        return parse_source(self.source)[1]
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable dict."""
+        d = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name != "eqn"
+        }
+        for key in ("in_dtypes", "out_dtypes"):
+            d[key] = list(d[key])
+        for key in ("in_shapes", "out_shapes"):
+            d[key] = [[_int(x) for x in s] for s in d[key]]
+        d["line"] = self.line
+        return d
+
+
+def _int(x: Any) -> Any:
+    try:
+        return int(x)
+    except Exception:  # noqa: BLE001  (symbolic dimensions)
+        return str(x)
+
+
+def record_fields(
+    walk: Any, eqn: jex_core.JaxprEqn, decision: Any, ran_with: Sequence[Any]
+) -> dict[str, Any]:
+    """The fields of an :class:`OpRecord` that do not depend on values."""
+    source = eqn_source(eqn) or getattr(walk, "parent_source", "")
+    return {
+        "primitive": eqn.primitive.name,
+        "source": source,
+        "path": walk.path,
+        "backward": bool(walk.backward),
+        "in_dtypes": tuple(_dtype_str(d) for d in ran_with),
+        "in_shapes": tuple(_shape(v) for v in eqn.invars),
+        "op_class": decision.op_class or "clear",
+        "decision": decision.label,
+        "dtype": None if decision.dtype is None else str(decision.dtype),
+        "reason": decision.reason,
+        "flops": eqn_flops(eqn) * walk.trip,
+    }
+
+
+class Recorder:
+    """An observer of the walk that keeps one :class:`OpRecord` per equation.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from mixprec._src.autocast import api, config
+        >>> rec = Recorder()
+        >>> _ = api.trace_transformed(lambda x: (x @ x).sum(),
+        ...     config.make_config("mixed_bfloat16"), (jnp.ones((2, 2)),), {},
+        ...     observer=rec)
+        >>> [(r.primitive, r.out_dtypes[0]) for r in rec.records]
+        [('dot_general', 'bfloat16'), ('reduce_sum', 'float32')]
+    """
+
+    def __init__(self) -> None:
+        self.records: list[OpRecord] = []
+        self.notes: list[str] = []
+
+    def on_eqn(
+        self,
+        walk: Any,
+        eqn: jex_core.JaxprEqn,
+        decision: Any,
+        ran_with: Sequence[Any],
+        invals: Sequence[Any],
+        outs: Sequence[Any],
+        rerun: Any = None,
+    ) -> None:
+        del invals, rerun
+        self.records.append(
+            OpRecord(
+                index=len(self.records),
+                out_dtypes=tuple(_dtype_name(o) for o in outs),
+                out_shapes=tuple(tuple(np.shape(o)) for o in outs),
+                eqn=eqn,
+                **record_fields(walk, eqn, decision, ran_with),
+            )
+        )
+
+    def on_note(self, walk: Any, eqn: jex_core.JaxprEqn, text: str) -> None:
+        del walk, eqn
+        self.notes.append(text)

@@ -1,0 +1,432 @@
+"""The dtype rule on the programs that broke it, and one walk for three clients.
+
+Each test here is a case where a plausible rule damaged a real program: a whole
+train step wrapped in autocast, a float32 residual stream, padded attention, a
+square under float16, a gradient summed over many rows, an explicit
+``precision=HIGHEST``. The last part checks that ``mixprec.explain`` and
+``mixprec.diagnose`` report exactly what ``mixprec.autocast`` runs.
+"""
+
+import collections
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import BF16, F16, F32, assert_tree_dtypes, assert_trees_close, iter_eqns
+from jax import lax
+
+import mixprec
+
+
+POLICIES = ["mixed_bfloat16", "mixed_float16"]
+LOW = {"mixed_bfloat16": BF16, "mixed_float16": F16}
+
+
+def _mlp_params(key=0, sizes=(16, 32, 4)):
+    keys = jax.random.split(jax.random.key(key), len(sizes) - 1)
+    return {
+        f"l{i}": {
+            "w": jax.random.normal(k, (a, b)) / np.sqrt(a),
+            "b": jnp.full((b,), 0.01),
+        }
+        for i, (k, a, b) in enumerate(zip(keys, sizes[:-1], sizes[1:], strict=True))
+    }
+
+
+def _mlp_loss(params, x, y):
+    h = x
+    for i in range(len(params)):
+        p = params[f"l{i}"]
+        h = h @ p["w"] + p["b"][None, :]
+        if i < len(params) - 1:
+            h = jax.nn.relu(h)
+    return optax.softmax_cross_entropy_with_integer_labels(h, y).mean()
+
+
+X = jax.random.normal(jax.random.key(1), (8, 16))
+Y = jnp.arange(8) % 4
+
+OPTIMIZERS = {
+    "sgd": lambda: optax.sgd(0.1),
+    "momentum": lambda: optax.sgd(0.1, momentum=0.9),
+    "adam": lambda: optax.adam(1e-3),
+    "adamw_clip": lambda: optax.chain(
+        optax.clip_by_global_norm(1.0), optax.adamw(1e-3, weight_decay=1e-2)
+    ),
+}
+
+
+# ------------------------------------------------------ master weights
+
+
+@pytest.mark.standard_promotion  # optax's bias correction mixes int and float
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
+def test_whole_step_updates_master_weights_in_float32(policy, opt_name):
+    # Invariant: wrapping the whole step (grad + optimizer update) leaves the
+    # update as precise as wrapping only the loss: given the gradients the
+    # step computed, params and optimizer state are float32's update.
+    opt = OPTIMIZERS[opt_name]()
+
+    def update(params, state, grads):
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    def step(params, state, x, y):
+        grads = jax.grad(_mlp_loss)(params, x, y)
+        return (*update(params, state, grads), grads)
+
+    params = _mlp_params()
+    state = opt.init(params)
+    # Every op of the update (after the backward pass) runs on float32 operands.
+    ops = mixprec.explain(step, params, state, X, Y, policy=policy).ops
+    last_backward = max(op.index for op in ops if op.backward)
+    update_ops = [op for op in ops if op.index > last_backward]
+    assert update_ops
+    for op in update_ops:
+        assert not {"bfloat16", "float16"} & set(op.in_dtypes + op.out_dtypes), op
+
+    mixed_step = jax.jit(mixprec.autocast(step, policy))
+    reference_update = jax.jit(update)
+    for _ in range(3):
+        new_params, new_state, grads = mixed_step(params, state, X, Y)
+        assert_tree_dtypes(grads, jax.tree.map(lambda a: a.dtype, params))
+        want_params, want_state = reference_update(params, state, grads)
+        for got, want in zip(
+            jax.tree.leaves((new_params, new_state)),
+            jax.tree.leaves((want_params, want_state)),
+            strict=True,
+        ):
+            assert got.dtype == want.dtype
+            # Bit for bit up to XLA's code generation: the same float32 ops in
+            # another fusion may contract a multiply-add differently (an ulp;
+            # identical with --xla_backend_optimization_level=0). A rounded
+            # update would be off by 2**-9 of the leaf's scale.
+            assert_trees_close(got, want, dtype=F32)
+        params, state = new_params, new_state
+    # The gradients themselves agree with autocasting only the loss.
+    loss_only = jax.grad(mixprec.autocast(_mlp_loss, policy))(params, X, Y)
+    _, _, grads = mixed_step(params, state, X, Y)
+    assert_trees_close(grads, loss_only, dtype=LOW[policy], grad=True)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_sgd_from_scratch_keeps_small_updates(policy):
+    # w - lr * g with lr * g far below bf16's resolution of w: a rounded update
+    # would leave w unchanged.
+    def step(w, x):
+        g = jax.grad(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(w)
+        return jax.tree.map(lambda p, d: p - 1e-4 * d, w, g)
+
+    w = jnp.full((16, 4), 3.0)
+    new = mixprec.autocast(step, policy)(w, X)
+    assert new.dtype == F32
+    assert bool(jnp.any(new != w))
+    assert_trees_close(new - w, step(w, X) - w, dtype=LOW[policy], grad=True)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_float32_residual_stream_argument_is_not_rounded(policy):
+    def block(x, w):
+        return x + 0.02 * jnp.tanh(x @ w)
+
+    x = 20.0 + jax.random.normal(jax.random.key(0), (4, 16))
+    w = jax.random.normal(jax.random.key(1), (16, 16))
+    update = mixprec.autocast(block, policy)(x, w) - x
+    # The branch runs in 16 bits (0.02 rounds to 0.0200195 in bfloat16); the
+    # sum with the stream in float32.
+    assert float(jnp.max(jnp.abs(update))) <= 0.02 * (1 + 2**-7)
+    # The branch's dot rounds x (about 20) to 16 bits: bfloat16-sized error.
+    assert_trees_close(update, block(x, w) - x, dtype=BF16, grad=True)
+    add = mixprec.explain(block, x, w, policy=policy).find("add")
+    assert add[-1].in_dtypes == ("float32", "float32")
+
+
+# --------------------------------------------------------- constants
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_padded_attention_has_no_nans(policy):
+    nn = pytest.importorskip("flax.linen")
+    q = jax.random.normal(jax.random.key(0), (2, 6, 2, 8))
+    # The last two query rows see no key: flax fills with finfo(float32).min.
+    mask = jnp.ones((2, 1, 6, 6), bool).at[:, :, 4:, :].set(False)
+
+    def flax_attention(q):
+        return nn.dot_product_attention(q, q, q, mask=mask)
+
+    def jax_attention(q):
+        return jax.nn.dot_product_attention(q, q, q, mask=mask)
+
+    for fn in (flax_attention, jax_attention):
+        out = mixprec.autocast(fn, policy)(q)
+        assert out.dtype == F32
+        assert bool(jnp.all(jnp.isfinite(out))), fn.__name__
+        assert_trees_close(out, fn(q), dtype=LOW[policy], grad=True)
+        g = jax.grad(lambda q, fn=fn: mixprec.autocast(fn, policy)(q).sum())(q)
+        assert bool(jnp.all(jnp.isfinite(g))), fn.__name__
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_constants_saturate_when_cast_down(policy):
+    big = float(jnp.finfo(jnp.float32).min)
+
+    def f(x, w):
+        h = x @ w
+        return jnp.where(h > 0, h, big) * 1.0
+
+    out = mixprec.autocast(f, policy)(X, jnp.eye(16))
+    low_min = float(jnp.finfo(LOW[policy]).min)
+    assert bool(jnp.all(jnp.isfinite(out)))
+    assert float(out.min()) == low_min
+
+
+# ---------------------------------------------------------- float16 range
+
+
+@pytest.mark.parametrize(
+    "square",
+    [jnp.square, lambda h: h * h, lambda h: h**2, lambda h: lax.integer_pow(h, 2)],
+)
+def test_squares_do_not_overflow_float16(square):
+    def f(x, w):
+        return jnp.sum(square(x @ w))
+
+    x = jnp.full((4, 8), 300.0)
+    got = mixprec.autocast(f, "mixed_float16")(x, jnp.eye(8))
+    assert got == f(x, jnp.eye(8)) == 32 * 300.0**2
+
+    def variance(x, w):
+        h = x @ w
+        d = h - jnp.mean(h, axis=0, keepdims=True)
+        return jnp.mean(d * d)
+
+    x = jnp.stack([jnp.full(8, 300.0), jnp.full(8, -300.0)])
+    assert mixprec.autocast(variance, "mixed_float16")(x, jnp.eye(8)) == 300.0**2
+
+
+def test_squares_under_bfloat16_stay_low():
+    report = mixprec.explain(lambda x: jnp.square(x @ x.T), X, policy="mixed_bfloat16")
+    assert report.find("square")[0].out_dtypes == ("bfloat16",)
+
+
+# ------------------------------------------------------ broadcast gradients
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_gradient_of_a_broadcast_parameter_sums_in_float32(policy):
+    n = 65539
+    x = jnp.full((n, 16), 0.5)
+
+    def loss(b, x):
+        return jnp.mean(jnp.tanh(x @ jnp.eye(16)) + b[None, :])
+
+    g = jax.grad(mixprec.autocast(loss, policy))(jnp.zeros(16), x)
+    assert g.dtype == F32
+    np.testing.assert_allclose(g, np.full(16, 1 / 16), rtol=8e-3)
+    # Wrapped with the gradient inside: the reduce_sum is in the jaxpr itself.
+    g = mixprec.autocast(jax.grad(loss), policy)(jnp.zeros(16), x)
+    np.testing.assert_allclose(g, np.full(16, 1 / 16), rtol=8e-3)
+
+
+# ----------------------------------------------------------- no silent overrides
+
+
+def test_precision_highest_keeps_a_dot_float32():
+    w = jnp.full((16, 4), 1.001)
+
+    def f(x, w):
+        return jnp.dot(x, w, precision=lax.Precision.HIGHEST)
+
+    report = mixprec.explain(f, X, w, policy="mixed_bfloat16")
+    [dot] = report.find("dot_general")
+    assert dot.decision == "float32" and "HIGHEST" in dot.reason
+    np.testing.assert_array_equal(mixprec.autocast(f, "mixed_bfloat16")(X, w), f(X, w))
+    with jax.default_matmul_precision("highest"):
+        [dot] = mixprec.explain(lambda x, w: x @ w, X, w, policy="mixed_bfloat16").find(
+            "dot_general"
+        )
+    assert dot.decision == "float32"
+
+
+@pytest.mark.parametrize("bad", ["no", 1, None])
+def test_strict_must_be_a_bool(bad):
+    with pytest.raises(TypeError, match=r"`autocast\(\.\.\., strict=\.\.\.\)`"):
+        mixprec.autocast(jnp.sin, "mixed_bfloat16", strict=bad)
+
+
+def test_float64_runs_as_written_and_explain_says_so():
+    with jax.enable_x64(True):
+        x = jnp.ones((4, 4), jnp.float64)
+        report = mixprec.explain(lambda x: x @ x, x, policy="mixed_bfloat16")
+        [dot] = report.find("dot_general")
+        assert dot.decision == "original" and dot.out_dtypes == ("float64",)
+        assert "float64" in dot.reason
+        jaxpr = jax.make_jaxpr(mixprec.autocast(lambda x: x @ x, "mixed_bfloat16"))(x)
+        assert [str(v.aval.dtype) for v in jaxpr.eqns[0].invars] == ["float64"] * 2
+
+
+# ---------------------------------------------------------------- crashes
+
+
+def test_vmap_of_a_while_loop_with_a_batched_predicate():
+    def f(x):
+        def body(c):
+            return c[0] + (c[1] @ jnp.eye(2)).sum(), c[1]
+
+        return lax.while_loop(lambda c: c[0].sum() < 10, body, (x, jnp.ones((2, 2))))[0]
+
+    xs = jnp.arange(6.0).reshape(3, 2)
+    got = jax.vmap(mixprec.autocast(f, "mixed_bfloat16"))(xs)
+    np.testing.assert_array_equal(got, jax.vmap(f)(xs))
+
+
+def test_export_with_a_symbolic_batch_dimension():
+    from jax import export
+
+    f = mixprec.autocast(lambda x, w: jnp.tanh(x @ w), "mixed_bfloat16")
+    (b,) = export.symbolic_shape("b")
+    exported = export.export(jax.jit(f))(
+        jax.ShapeDtypeStruct((b, 16), jnp.float32),
+        jax.ShapeDtypeStruct((16, 4), jnp.float32),
+    )
+    w = jnp.ones((16, 4)) / 16
+    for n in (3, 8):
+        x = jnp.ones((n, 16))
+        assert_trees_close(exported.call(x, w), jnp.tanh(x @ w), dtype=BF16)
+
+
+def test_default_mode_jvp_and_jacfwd():
+    f = mixprec.autocast(lambda x: jnp.tanh(x @ x.T).sum(), "mixed_bfloat16")
+    y, t = jax.jvp(f, (X,), (jnp.ones_like(X),))
+    assert t.dtype == F32
+    assert_trees_close(jax.jacfwd(f)(X), jax.grad(f)(X), dtype=BF16, grad=True)
+
+
+# --------------------------------------------- one walk: explain, diagnose, autocast
+
+
+def _programs():
+    k = jax.random.split(jax.random.key(3), 4)
+    w = jax.random.normal(k[0], (16, 16)) / 4
+    x = jax.random.normal(k[1], (4, 16))
+    b = jnp.full((16,), 0.1)
+
+    def mlp(w, b, x):
+        return jax.nn.log_softmax(jax.nn.gelu(x @ w + b[None, :]) @ w.T)
+
+    def residual(w, b, x):
+        h = x * 10.0
+        for _ in range(3):
+            h = h + jnp.tanh(h @ w + b[None, :])
+        return jnp.mean(h * h)
+
+    def scan_rnn(w, b, x):
+        def cell(h, xi):
+            h = jnp.tanh(h @ w + xi + b)
+            return h, h.sum()
+
+        return lax.scan(cell, jnp.zeros(16), x)
+
+    def while_sum(w, b, x):
+        def body(c):
+            i, acc = c
+            return i + 1, acc + jnp.exp(x[i] @ w) + b
+
+        return lax.while_loop(lambda c: c[0] < 3, body, (0, jnp.zeros(16)))[1]
+
+    def branches(w, b, x):
+        return lax.cond(
+            x.sum() > 0, lambda v: v @ w + b[None, :], lambda v: jnp.sin(v), x
+        )
+
+    def nested(w, b, x):
+        layer = jax.jit(lambda h: jax.nn.relu(h @ w + b[None, :]))
+        return jax.checkpoint(lambda h: layer(layer(h)))(x)
+
+    def train_step(w, b, x):
+        def loss(w, b):
+            return jnp.var(jnp.tanh(x @ w + b[None, :]))
+
+        gw, gb = jax.grad(loss, argnums=(0, 1))(w, b)
+        return w - 0.1 * gw, b - 0.1 * gb
+
+    args = (w, b, x)
+    return {
+        f.__name__: (f, args)
+        for f in (mlp, residual, scan_rnn, while_sum, branches, nested, train_step)
+    }
+
+
+# Primitives the CPU dot formulation and the casts add to the jaxpr by
+# themselves; every other primitive's dtypes must match the records.
+_FORMULATION = {
+    "convert_element_type",
+    "optimization_barrier",
+    "reshape",
+    "transpose",
+    "broadcast_in_dim",
+    "dot_general",
+    "custom_vjp_call",
+    "jit",
+    "pjit",
+    "checkpoint",
+    "remat2",
+    "scan",
+    "while",
+    "cond",
+    "custom_jvp_call",
+}
+
+
+def _all_eqns(jaxpr):
+    return [
+        (
+            e.primitive.name,
+            tuple(str(v.aval.dtype) for v in e.invars),
+            tuple(str(v.aval.dtype) for v in e.outvars),
+        )
+        for e in iter_eqns(jaxpr)
+    ]
+
+
+def _jaxpr_signatures(jaxpr):
+    sig = collections.Counter()
+    for e in iter_eqns(jaxpr):
+        if e.primitive.name in _FORMULATION:
+            continue
+        sig[(e.primitive.name, tuple(str(v.aval.dtype) for v in e.invars))] += 1
+    return sig
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("name", sorted(_programs()))
+def test_explain_and_diagnose_report_what_autocast_runs(name, policy):
+    fn, args = _programs()[name]
+    report = mixprec.explain(fn, *args, policy=policy)
+    # The report's jaxpr is the one autocast runs (equation for equation; a
+    # nested jit body autocast caches is shared where explain's is not).
+    staged = jax.make_jaxpr(mixprec.autocast(fn, policy))(*args)
+    assert _all_eqns(report.jaxpr) == _all_eqns(staged)
+    # Every recorded op, with the dtypes it ran in, is in that jaxpr.
+    recorded = collections.Counter(
+        (op.primitive, op.in_dtypes)
+        for op in report.ops
+        if op.primitive not in _FORMULATION
+    )
+    assert recorded == _jaxpr_signatures(staged), name
+    # diagnose walks the same decisions on concrete values (loops stepped).
+    diag = mixprec.diagnose(fn, *args, policy=policy)
+    explained = {
+        (op.primitive, op.path, op.backward, op.in_dtypes, op.out_dtypes, op.decision)
+        for op in report.ops
+    }
+    diagnosed = {
+        (op.primitive, op.path, op.backward, op.in_dtypes, op.out_dtypes, op.decision)
+        for op in diag.ops
+    }
+    # A branch that does not run is walked only by explain.
+    assert diagnosed <= explained, diagnosed - explained
+    assert all("cond/" in op[1] for op in explained - diagnosed), explained - diagnosed
