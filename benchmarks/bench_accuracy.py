@@ -10,21 +10,27 @@ next-character accuracy of each, with the difference to float32.
     python benchmarks/bench_accuracy.py --size full     # GPU size
 
 Writes ``benchmarks/results/accuracy_lm_<platform>.json`` (and ``.md``) and prints
-the table.
+the table. The model and training loop are those of ``mixprec demo``
+(``mixprec/_src/cli/models.py``, ``mixprec/_src/cli/demo/train.py``); the JSON
+records the machine (JAX version, device, CPU flags) with
+``mixprec/_src/cli/timing.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
+import os
 import pathlib
 import sys
 
-import jax
 
-import mixprec
-from mixprec._src.demo import train
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from mixprec._src.cli import timing  # noqa: E402
+from mixprec._src.cli.demo import train  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,19 +69,22 @@ def main(argv: list[str] | None = None) -> int:
         runs.append(r)
 
     ref = runs[0]
-    dev = jax.devices()[0]
+    env = timing.environment()
     payload = {
         "meta": {
-            "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-            "device": f"{dev.platform}: {getattr(dev, 'device_kind', '')}",
-            "jax": jax.__version__,
-            "mixprec": mixprec.__version__,
+            "date": env["date"],
+            "device": env["device"],
+            "jax": env["jax"],
+            "mixprec": env["mixprec"],
+            "cpu": env["cpu_model"],
+            "cpu flags": timing.flags_summary(env["cpu_flags"]),
             "workload": workload.title,
             "steps": args.steps,
             "mechanism": args.mechanism,
             "seed": args.seed,
             "eval tokens": sum(x.size for x, _ in workload.eval_batches),
         },
+        "environment": env,
         "runs": [
             {
                 "precision": r.precision,
@@ -92,8 +101,10 @@ def main(argv: list[str] | None = None) -> int:
         ],
     }
     lines = [
-        f"# LM final loss per precision ({payload['meta']['device']}, JAX "
-        f"{jax.__version__}, {args.steps} steps, {args.mechanism})",
+        f"# LM final loss per precision ({env['device']}, JAX {env['jax']}, "
+        f"{args.steps} steps, {args.mechanism})",
+        "",
+        f"CPU: {env['cpu_model']} ({timing.flags_summary(env['cpu_flags'])}).",
         "",
         workload.title,
         "",
@@ -111,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     md = "\n".join(lines) + "\n"
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"accuracy_lm_{dev.platform}"
+    stem = f"accuracy_lm_{env['backend']}"
     (out / f"{stem}.json").write_text(json.dumps(payload, indent=2) + "\n")
     (out / f"{stem}.md").write_text(md)
     print(md)

@@ -1,29 +1,33 @@
 """Benchmark: mixed-precision training steps in JAX (and PyTorch) on one machine.
 
 Every variant of a workload runs the same model and the same training step
-(forward, backward, SGD update) and is timed in ONE interleaved run: each repeat
-times one step of every variant in turn, after warm-up steps that are not
-counted, and the report gives medians and their ratio to the float32 variant.
-Interleaving matters on a shared machine: a burst of load from elsewhere slows
-every variant of that repeat, not just one.
+(forward, backward, SGD update) and is timed in ONE interleaved run: each round
+times one step of every variant in turn (the order rotating between rounds),
+after warm-up steps that are not counted, and the report gives medians and their
+ratio to the float32 variant. Interleaving matters on a shared machine: a burst of
+load from elsewhere slows every variant of that round, not just one.
+
+The models are those of ``mixprec demo`` and ``mixprec bench``
+(``mixprec/_src/cli/models.py``); the timing, memory and machine helpers are
+``mixprec/_src/cli/timing.py``.
 
 Workloads (default sizes; ``--quick`` shrinks them for a smoke test):
 
-* ``mlp``: 784-4096-4096-10 MLP, batch 1024, softmax cross-entropy.
+* ``mlp``: the Keras-guide MLP 784-4096-4096-10, batch 1024.
 * ``lm``: GPT-style char-LM, 4 layers, d_model 256, 4 heads, seq 256, batch 8.
 
 JAX variants:
 
 * ``float32``: the plain model.
-* ``jmp_casting``: hand-written JMP-style casting (params and inputs cast to
-  bfloat16, the whole model in bfloat16, logits cast back to float32).
+* ``jmp_casting``: hand-written JMP-style casting (params, and the MLP's inputs,
+  cast to bfloat16: the whole model in bfloat16, the output cast to float32).
 * ``flax_float32`` / ``flax_bf16``: the same model in Flax linen, with
   ``dtype=jnp.bfloat16`` (float32 params) for the latter.
 * ``bf16_dots_f32out``: every dot as ``bf16 x bf16 -> f32`` by hand
   (``preferred_element_type=float32``), JAX's own autodiff.
 * ``dots_bf16``: every dot through ``mixprec._src.autocast.dots.dot_general``.
 * ``autocast`` / ``autocast_flax``: ``mixprec.autocast(loss, "mixed_bfloat16")``
-  around the float32 jnp / Flax model (when ``mixprec.autocast`` exists).
+  around the float32 jnp / Flax model.
 * ``torch_float32`` / ``torch_autocast_bf16``: the same models in PyTorch, plain
   and under ``torch.autocast("cpu", dtype=torch.bfloat16)`` (skipped when torch
   is not installed; ``pip install torch==2.13.0``). Their ratio is to
@@ -32,28 +36,31 @@ JAX variants:
 Also measured, for the JAX variants: XLA's ``compiled.memory_analysis()`` and
 the bytes of the residuals saved for the backward pass (the leaves of the
 ``jax.vjp`` closure, computed with ``jax.eval_shape``: nothing runs) of the MLP
-at batch 8192, and the trace+compile time of the step with plain bf16 dots,
-with ``dots`` and under ``autocast``, against the float32 step under plain
-``jax.jit``.
+at batch 8192; the trace+compile time of the step with plain bf16 dots, with
+``dots`` and under ``autocast``, against the float32 step under plain
+``jax.jit``; and the trace cost of autocast (``--trace-only`` runs just that): a
+residual MLP (``h = h + tanh(h @ w + b)``, d=64, batch 32) at 16, 64 and 256
+layers, trace+lower time of ``value_and_grad(loss)`` and of a whole SGD train
+step, plain vs ``mixprec.autocast``, against the equation counts of the traced
+jaxprs, and XLA's compile time of the autocast step vs the same step written
+by hand in bfloat16.
 
 Usage::
 
     python benchmarks/bench_autocast.py [--quick] [--repeats N] [--out PATH]
+    python benchmarks/bench_autocast.py --trace-only [--trace-repeats N]
 
-Prints a table last and writes JSON (and a Markdown table next to it).
+Prints the tables last and writes JSON (and a Markdown copy next to it); every
+JSON records the JAX version, the device and the CPU's flags.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
+import dataclasses
 import functools as ft
-import importlib.metadata
 import json
-import math
 import os
-import platform
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -66,10 +73,13 @@ if _ROOT not in sys.path:
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
+from jax.extend import core as jex_core  # noqa: E402
 
+import mixprec  # noqa: E402
 from mixprec._src.autocast import dots  # noqa: E402
+from mixprec._src.cli import models, timing  # noqa: E402
+from mixprec._src.cli.models import LMConfig, MLPConfig  # noqa: E402
 
 
 BF16 = jnp.bfloat16
@@ -79,19 +89,25 @@ LR = 1e-3
 # --- configuration -------------------------------------------------------------
 
 FULL: dict[str, dict[str, Any]] = dict(
-    mlp=dict(sizes=(784, 4096, 4096, 10), batch=1024, memory_batch=8192),
-    lm=dict(vocab=65, layers=4, d_model=256, heads=4, seq=256, batch=8),
+    mlp=dict(model=MLPConfig(units=4096), batch=1024, memory_batch=8192),
+    lm=dict(
+        model=LMConfig(
+            vocab_size=65, seq_len=256, d_model=256, num_heads=4, num_layers=4
+        ),
+        batch=8,
+    ),
 )
 QUICK: dict[str, dict[str, Any]] = dict(
-    mlp=dict(sizes=(64, 128, 128, 10), batch=32, memory_batch=64),
-    lm=dict(vocab=17, layers=1, d_model=32, heads=2, seq=16, batch=2),
+    mlp=dict(model=MLPConfig(units=128, in_features=64), batch=32, memory_batch=64),
+    lm=dict(
+        model=LMConfig(
+            vocab_size=17, seq_len=16, d_model=32, num_heads=2, num_layers=1
+        ),
+        batch=2,
+    ),
 )
-
-Mm = Callable[[jax.Array, jax.Array, Any], jax.Array]
-
-
-def mm_float32(a: jax.Array, b: jax.Array, dn: Any) -> jax.Array:
-    return lax.dot_general(a, b, dn)
+TRACE_LAYERS = (16, 64, 256)
+QUICK_TRACE_LAYERS = (2, 8)
 
 
 def mm_bf16_f32out(a: jax.Array, b: jax.Array, dn: Any) -> jax.Array:
@@ -104,161 +120,11 @@ def mm_dots(a: jax.Array, b: jax.Array, dn: Any) -> jax.Array:
     return dots.dot_general(a, b, dimension_numbers=dn, low_dtype=BF16, out_dtype=F32)
 
 
-def dense(x: jax.Array, w: jax.Array, mm: Mm) -> jax.Array:
-    return mm(x, w, (((x.ndim - 1,), (0,)), ((), ())))
-
-
-def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
-    logits = logits.astype(F32)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
-
-
-# --- MLP ------------------------------------------------------------------------
-
-
-def mlp_init(key: jax.Array, sizes: tuple[int, ...]) -> list[dict[str, jax.Array]]:
-    keys = jax.random.split(key, len(sizes) - 1)
-    return [
-        dict(
-            w=jax.random.normal(k, (i, o), F32) / math.sqrt(i),
-            b=jnp.zeros((o,), F32),
-        )
-        for k, i, o in zip(keys, sizes[:-1], sizes[1:], strict=True)
-    ]
-
-
-def mlp_apply(params: list[dict[str, jax.Array]], x: jax.Array, mm: Mm) -> jax.Array:
-    h = x
-    for i, layer in enumerate(params):
-        h = dense(h, layer["w"], mm) + layer["b"].astype(h.dtype)
-        if i < len(params) - 1:
-            h = jax.nn.relu(h)
-    return h
-
-
-def mlp_flax(sizes: tuple[int, ...], dtype: Any) -> Any:
-    import flax.linen as nn
-
-    class MLP(nn.Module):
-        @nn.compact
-        def __call__(self, x: jax.Array) -> jax.Array:
-            for i, n in enumerate(sizes[1:]):
-                x = nn.Dense(n, dtype=dtype, param_dtype=F32)(x)
-                if i < len(sizes) - 2:
-                    x = nn.relu(x)
-            return x
-
-    return MLP()
-
-
-# --- GPT char-LM ------------------------------------------------------------------
-
-
-def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array) -> jax.Array:
-    mean = jnp.mean(x, axis=-1, keepdims=True)
-    var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
-    y = (x - mean) * lax.rsqrt(var + jnp.asarray(1e-6, x.dtype))
-    return y * scale.astype(x.dtype) + bias.astype(x.dtype)
-
-
-def lm_init(key: jax.Array, cfg: dict[str, int]) -> dict[str, Any]:
-    d, v, t = cfg["d_model"], cfg["vocab"], cfg["seq"]
-    keys = iter(jax.random.split(key, 4 + 4 * cfg["layers"]))
-
-    def normal(shape: tuple[int, ...], fan_in: int) -> jax.Array:
-        return jax.random.normal(next(keys), shape, F32) / math.sqrt(fan_in)
-
-    def ln() -> dict[str, jax.Array]:
-        return dict(scale=jnp.ones((d,), F32), bias=jnp.zeros((d,), F32))
-
-    layers = [
-        dict(
-            ln1=ln(),
-            wqkv=normal((d, 3 * d), d),
-            wo=normal((d, d), d),
-            ln2=ln(),
-            w1=normal((d, 4 * d), d),
-            b1=jnp.zeros((4 * d,), F32),
-            w2=normal((4 * d, d), 4 * d),
-            b2=jnp.zeros((d,), F32),
-        )
-        for _ in range(cfg["layers"])
-    ]
-    return dict(
-        embed=normal((v, d), 1),
-        pos=normal((t, d), 1) * 0.02,
-        layers=layers,
-        ln_f=ln(),
-        head=normal((d, v), d),
-    )
-
-
-def lm_apply(
-    params: dict[str, Any], tokens: jax.Array, mm: Mm, heads: int
-) -> jax.Array:
-    dtype = params["embed"].dtype
-    b, t = tokens.shape
-    h = params["embed"][tokens] + params["pos"][:t].astype(dtype)
-    d = h.shape[-1]
-    hd = d // heads
-    mask = jnp.tril(jnp.ones((t, t), bool))
-    for layer in params["layers"]:
-        a = layer_norm(h, layer["ln1"]["scale"], layer["ln1"]["bias"])
-        qkv = dense(a, layer["wqkv"], mm).reshape(b, t, 3, heads, hd)
-        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        q = q * jnp.asarray(1 / math.sqrt(hd), q.dtype)
-        # "bthd,bshd->bhts" and "bhts,bshd->bthd", as Flax writes them.
-        s = mm(q, k, (((3,), (3,)), ((0, 2), (0, 2))))
-        s = jnp.where(mask, s, jnp.asarray(jnp.finfo(s.dtype).min, s.dtype))
-        p = jax.nn.softmax(s, axis=-1)
-        o = mm(p, v.astype(p.dtype), (((3,), (1,)), ((0, 1), (0, 2))))  # b h t d
-        o = jnp.swapaxes(o, 1, 2).reshape(b, t, d)
-        h = h + dense(o, layer["wo"], mm).astype(h.dtype)
-        a = layer_norm(h, layer["ln2"]["scale"], layer["ln2"]["bias"])
-        f = jax.nn.gelu(dense(a, layer["w1"], mm) + layer["b1"].astype(a.dtype))
-        h = h + (dense(f, layer["w2"], mm) + layer["b2"].astype(f.dtype)).astype(
-            h.dtype
-        )
-    h = layer_norm(h, params["ln_f"]["scale"], params["ln_f"]["bias"])
-    return dense(h, params["head"], mm)
-
-
-def lm_flax(cfg: dict[str, int], dtype: Any) -> Any:
-    import flax.linen as nn
-
-    class Block(nn.Module):
-        @nn.compact
-        def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
-            a = nn.LayerNorm(dtype=dtype, param_dtype=F32)(x)
-            a = nn.MultiHeadDotProductAttention(
-                num_heads=cfg["heads"], dtype=dtype, param_dtype=F32, use_bias=False
-            )(a, a, mask=mask)
-            x = x + a
-            a = nn.LayerNorm(dtype=dtype, param_dtype=F32)(x)
-            a = nn.Dense(4 * cfg["d_model"], dtype=dtype, param_dtype=F32)(a)
-            a = nn.Dense(cfg["d_model"], dtype=dtype, param_dtype=F32)(nn.gelu(a))
-            return x + a
-
-    class GPT(nn.Module):
-        @nn.compact
-        def __call__(self, tokens: jax.Array) -> jax.Array:
-            t = tokens.shape[1]
-            x = nn.Embed(cfg["vocab"], cfg["d_model"], dtype=dtype, param_dtype=F32)(
-                tokens
-            )
-            pos = self.param(
-                "pos", nn.initializers.normal(0.02), (cfg["seq"], cfg["d_model"]), F32
-            )
-            x = x + pos[:t].astype(x.dtype)
-            mask = nn.make_causal_mask(tokens)
-            for _ in range(cfg["layers"]):
-                x = Block()(x, mask)
-            x = nn.LayerNorm(dtype=dtype, param_dtype=F32)(x)
-            return nn.Dense(cfg["vocab"], dtype=dtype, param_dtype=F32)(x)
-
-    return GPT()
-
+DOTS: dict[str, models.Dot | None] = {
+    "float32": None,
+    "bf16_dots_f32out": mm_bf16_f32out,
+    "dots_bf16": mm_dots,
+}
 
 # --- steps -------------------------------------------------------------------------
 
@@ -268,108 +134,83 @@ def sgd(params: Any, grads: Any) -> Any:
 
 
 def make_step(loss: Callable[..., jax.Array]) -> Callable[..., Any]:
-    def step(params: Any, x: jax.Array, y: jax.Array) -> Any:
-        return sgd(params, jax.grad(loss)(params, x, y))
+    def step(params: Any, *batch: jax.Array) -> Any:
+        return sgd(params, jax.grad(loss)(params, *batch))
 
     return step
 
 
-def autocast_available() -> bool:
-    import mixprec
-
-    return hasattr(mixprec, "autocast")
-
-
 def plain_loss(
-    workload: str, cfg: dict[str, Any], mm: Mm
-) -> tuple[Callable[..., jax.Array], Any]:
-    """A fresh loss function of the jnp model (and its params) with dots ``mm``."""
-    key = jax.random.key(0)
+    workload: str, cfg: dict[str, Any], dot: models.Dot | None
+) -> Callable[..., jax.Array]:
+    """A fresh loss function of the jnp model with dots ``dot``."""
+    config = cfg["model"]
     if workload == "mlp":
 
         def mlp_loss(p: Any, x: jax.Array, y: jax.Array) -> jax.Array:
-            return cross_entropy(mlp_apply(p, x, mm), y)
+            return models.cross_entropy(models.mlp_apply(p, x, dot=dot), y)
 
-        return mlp_loss, mlp_init(key, cfg["sizes"])
+        return mlp_loss
 
     def lm_loss(p: Any, x: jax.Array, y: jax.Array) -> jax.Array:
-        return cross_entropy(lm_apply(p, x, mm, cfg["heads"]), y)
+        log_probs = models.lm_apply(p, x, num_heads=config.num_heads, dot=dot)
+        return models.cross_entropy(log_probs, y)
 
-    return lm_loss, lm_init(key, cfg)
+    return lm_loss
+
+
+def init_params(workload: str, cfg: dict[str, Any]) -> Any:
+    init = models.mlp_init if workload == "mlp" else models.lm_init
+    return init(jax.random.key(0), cfg["model"])
 
 
 def jax_variants(workload: str, cfg: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """name -> dict(loss=fn(params, x, y), params=..., note=...)."""
-    import mixprec
-
+    """name -> dict(loss=fn(params, x, y), params=...)."""
     policy = mixprec.get_policy("p=f32,c=bf16,o=f32")
-    key = jax.random.key(0)
-    out: dict[str, dict[str, Any]] = {}
+    config = cfg["model"]
+    params = init_params(workload, cfg)
     if workload == "mlp":
-        sizes = cfg["sizes"]
-        params = mlp_init(key, sizes)
-
-        def loss_with(mm: Mm) -> Callable[..., jax.Array]:
-            def loss(p: Any, x: jax.Array, y: jax.Array) -> jax.Array:
-                return cross_entropy(mlp_apply(p, x, mm), y)
-
-            return loss
 
         def jmp_loss(p: Any, x: jax.Array, y: jax.Array) -> jax.Array:
-            logits = mlp_apply(
-                policy.cast_to_compute(p), policy.cast_to_compute(x), mm_float32
-            )
-            return cross_entropy(policy.cast_to_output(logits), y)
+            out = models.mlp_apply(policy.cast_to_compute(p), policy.cast_to_compute(x))
+            return models.cross_entropy(policy.cast_to_output(out), y)
 
-        flax_models = {
-            "flax_float32": mlp_flax(sizes, F32),
-            "flax_bf16": mlp_flax(sizes, BF16),
-        }
-        sample = jnp.zeros((1, sizes[0]), F32)
+        flax_model = ft.partial(models.flax_mlp, config)
+        sample = jnp.zeros((1, config.in_features), F32)
     else:
-        params = lm_init(key, cfg)
-        heads = cfg["heads"]
-
-        def loss_with(mm: Mm) -> Callable[..., jax.Array]:
-            def loss(p: Any, x: jax.Array, y: jax.Array) -> jax.Array:
-                return cross_entropy(lm_apply(p, x, mm, heads), y)
-
-            return loss
 
         def jmp_loss(p: Any, x: jax.Array, y: jax.Array) -> jax.Array:
-            logits = lm_apply(policy.cast_to_compute(p), x, mm_float32, heads)
-            return cross_entropy(policy.cast_to_output(logits), y)
+            out = models.lm_apply(
+                policy.cast_to_compute(p), x, num_heads=config.num_heads
+            )
+            return models.cross_entropy(policy.cast_to_output(out), y)
 
-        flax_models = {
-            "flax_float32": lm_flax(cfg, F32),
-            "flax_bf16": lm_flax(cfg, BF16),
-        }
-        sample = jnp.zeros((1, cfg["seq"]), jnp.int32)
+        flax_model = ft.partial(models.flax_lm, config)
+        sample = jnp.zeros((1, config.seq_len), jnp.int32)
 
-    out["float32"] = dict(loss=loss_with(mm_float32), params=params)
+    out: dict[str, dict[str, Any]] = {}
+    out["float32"] = dict(loss=plain_loss(workload, cfg, None), params=params)
     out["jmp_casting"] = dict(loss=jmp_loss, params=params)
-    flax_params = None
-    for name, model in flax_models.items():
-        if flax_params is None:
-            flax_params = model.init(key, sample)
+    flax_params = flax_model(F32).init(jax.random.key(0), sample)
+    for name, dtype in (("flax_float32", F32), ("flax_bf16", BF16)):
+        module = flax_model(dtype)
 
         def flax_loss(
-            p: Any, x: jax.Array, y: jax.Array, model: Any = model
+            p: Any, x: jax.Array, y: jax.Array, module: Any = module
         ) -> jax.Array:
-            return cross_entropy(model.apply(p, x), y)
+            return models.cross_entropy(module.apply(p, x), y)
 
         out[name] = dict(loss=flax_loss, params=flax_params)
-    out["bf16_dots_f32out"] = dict(loss=loss_with(mm_bf16_f32out), params=params)
-    out["dots_bf16"] = dict(loss=loss_with(mm_dots), params=params)
-    if autocast_available():
-        out["autocast"] = dict(
-            loss=mixprec.autocast(loss_with(mm_float32), "mixed_bfloat16"),
-            params=params,
-        )
-        out["autocast_flax"] = dict(
-            loss=mixprec.autocast(out["flax_float32"]["loss"], "mixed_bfloat16"),
-            params=flax_params,
-        )
+    for name in ("bf16_dots_f32out", "dots_bf16"):
+        out[name] = dict(loss=plain_loss(workload, cfg, DOTS[name]), params=params)
+    out["autocast"] = dict(
+        loss=mixprec.autocast(plain_loss(workload, cfg, None), "mixed_bfloat16"),
+        params=params,
+    )
+    out["autocast_flax"] = dict(
+        loss=mixprec.autocast(out["flax_float32"]["loss"], "mixed_bfloat16"),
+        params=flax_params,
+    )
     return out
 
 
@@ -377,11 +218,12 @@ def make_data(
     workload: str, cfg: dict[str, Any], batch: int
 ) -> tuple[jax.Array, jax.Array]:
     key = jax.random.key(1)
+    config = cfg["model"]
     if workload == "mlp":
-        x = jax.random.normal(key, (batch, cfg["sizes"][0]), F32)
-        y = jax.random.randint(key, (batch,), 0, cfg["sizes"][-1])
+        x = jax.random.normal(key, (batch, config.in_features), F32)
+        y = jax.random.randint(key, (batch,), 0, config.classes)
         return x, y
-    tokens = jax.random.randint(key, (batch, cfg["seq"] + 1), 0, cfg["vocab"])
+    tokens = jax.random.randint(key, (batch, config.seq_len + 1), 0, config.vocab_size)
     return tokens[:, :-1], tokens[:, 1:]
 
 
@@ -389,34 +231,38 @@ def make_data(
 
 
 def torch_variants(workload: str, cfg: dict[str, Any]) -> dict[str, Callable[[], None]]:
+    """The same models in PyTorch (the one framework the shared models do not
+    cover), plain and under ``torch.autocast``."""
     try:
         import torch
         import torch.nn.functional as F
     except ImportError:
         return {}
     torch.manual_seed(0)
+    config = cfg["model"]
     if workload == "mlp":
-        sizes = cfg["sizes"]
-        mods: list[Any] = []
-        for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
-            mods.append(torch.nn.Linear(a, b))
-            if i < len(sizes) - 2:
-                mods.append(torch.nn.ReLU())
-        model = torch.nn.Sequential(*mods)
-        x = torch.randn(cfg["batch"], sizes[0])
-        y = torch.randint(0, sizes[-1], (cfg["batch"],))
+        u = config.units
+        model = torch.nn.Sequential(
+            torch.nn.Linear(config.in_features, u),
+            torch.nn.ReLU(),
+            torch.nn.Linear(u, u),
+            torch.nn.ReLU(),
+            torch.nn.Linear(u, config.classes),
+        )
+        x = torch.randn(cfg["batch"], config.in_features)
+        y = torch.randint(0, config.classes, (cfg["batch"],))
     else:
-        d, heads, t = cfg["d_model"], cfg["heads"], cfg["seq"]
+        d, heads, t = config.d_model, config.num_heads, config.seq_len
 
         class Block(torch.nn.Module):
             def __init__(self) -> None:
                 super().__init__()
                 self.ln1 = torch.nn.LayerNorm(d)
-                self.qkv = torch.nn.Linear(d, 3 * d, bias=False)
-                self.o = torch.nn.Linear(d, d, bias=False)
+                self.qkv = torch.nn.Linear(d, 3 * d)
+                self.o = torch.nn.Linear(d, d)
                 self.ln2 = torch.nn.LayerNorm(d)
-                self.fc1 = torch.nn.Linear(d, 4 * d)
-                self.fc2 = torch.nn.Linear(4 * d, d)
+                self.fc1 = torch.nn.Linear(d, config.mlp_ratio * d)
+                self.fc2 = torch.nn.Linear(config.mlp_ratio * d, d)
 
             def forward(self, h: Any) -> Any:
                 b = h.shape[0]
@@ -435,13 +281,13 @@ def torch_variants(workload: str, cfg: dict[str, Any]) -> dict[str, Callable[[],
         class GPT(torch.nn.Module):
             def __init__(self) -> None:
                 super().__init__()
-                self.embed = torch.nn.Embedding(cfg["vocab"], d)
-                self.pos = torch.nn.Parameter(torch.randn(t, d) * 0.02)
+                self.embed = torch.nn.Embedding(config.vocab_size, d)
+                self.pos = torch.nn.Parameter(torch.randn(t, d) * 0.01)
                 self.blocks = torch.nn.ModuleList(
-                    [Block() for _ in range(cfg["layers"])]
+                    [Block() for _ in range(config.num_layers)]
                 )
                 self.ln = torch.nn.LayerNorm(d)
-                self.head = torch.nn.Linear(d, cfg["vocab"])
+                self.head = torch.nn.Linear(d, config.vocab_size)
 
             def forward(self, tokens: Any) -> Any:
                 h = self.embed(tokens) + self.pos
@@ -450,8 +296,8 @@ def torch_variants(workload: str, cfg: dict[str, Any]) -> dict[str, Callable[[],
                 return self.head(self.ln(h))
 
         model = GPT()
-        x = torch.randint(0, cfg["vocab"], (cfg["batch"], t))
-        y = torch.randint(0, cfg["vocab"], (cfg["batch"], t))
+        x = torch.randint(0, config.vocab_size, (cfg["batch"], t))
+        y = torch.randint(0, config.vocab_size, (cfg["batch"], t))
 
     def step(autocast: bool) -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
@@ -475,21 +321,6 @@ def torch_variants(workload: str, cfg: dict[str, Any]) -> dict[str, Callable[[],
 # --- measurements --------------------------------------------------------------------
 
 
-def time_interleaved(
-    fns: dict[str, Callable[[], Any]], repeats: int, warmup: int
-) -> dict[str, list[float]]:
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    return times
-
-
 def jax_runner(
     step: Callable[..., Any], params: Any, x: jax.Array, y: jax.Array
 ) -> Callable[[], Any]:
@@ -498,29 +329,10 @@ def jax_runner(
 
     def run() -> Any:
         # Feed the updated params back in, as a training loop does.
-        state["params"] = jax.block_until_ready(compiled(state["params"], x, y))
+        state["params"] = compiled(state["params"], x, y)
+        return state["params"]
 
     return run
-
-
-def nbytes(tree: Any) -> int:
-    return sum(
-        int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
-        for leaf in jax.tree.leaves(tree)
-        if hasattr(leaf, "shape")
-    )
-
-
-def residual_bytes(
-    loss: Callable[..., jax.Array], params: Any, x: jax.Array, y: jax.Array
-) -> int:
-    """Bytes held by the ``jax.vjp`` closure (the residuals), without running."""
-
-    def residuals(p: Any) -> Any:
-        _, vjp_fn = jax.vjp(lambda p: loss(p, x, y), p)
-        return jax.tree.leaves(vjp_fn)
-
-    return nbytes(jax.eval_shape(residuals, params))
 
 
 def memory_rows(
@@ -532,73 +344,298 @@ def memory_rows(
     for name, v in variants.items():
         step = make_step(v["loss"])
         compiled = jax.jit(step).lower(v["params"], x, y).compile()
-        ma = compiled.memory_analysis()
         row: dict[str, Any] = dict(workload=workload, batch=batch, variant=name)
-        for field in ("temp", "argument", "output", "alias", "generated_code"):
-            row[f"{field}_bytes"] = int(getattr(ma, f"{field}_size_in_bytes", 0) or 0)
-        row["residual_bytes"] = residual_bytes(v["loss"], v["params"], x, y)
+        row.update(timing.memory_analysis(compiled))
+        row["residual_bytes"] = timing.residual_bytes(v["loss"], v["params"], x, y)
         rows.append(row)
     base = {r["variant"]: r for r in rows}
     for r in rows:
         flax = r["variant"].startswith(("flax", "autocast_flax"))
         ref = base.get("flax_float32", base["float32"]) if flax else base["float32"]
         r["residual_ratio"] = r["residual_bytes"] / max(ref["residual_bytes"], 1)
-        r["temp_ratio"] = r["temp_bytes"] / max(ref["temp_bytes"], 1)
+        r["temp_ratio"] = (r["temp_bytes"] or 0) / max(ref["temp_bytes"] or 0, 1)
     return rows
 
 
 def compile_rows(
     workload: str, cfg: dict[str, Any], repeats: int
 ) -> list[dict[str, Any]]:
-    """Trace+compile time of the step: plain jit vs jit(autocast)."""
-    import mixprec
-
-    if not autocast_available():
-        return []
+    """Trace+compile time of the step: plain jit vs jit(autocast), interleaved."""
     x, y = make_data(workload, cfg, cfg["batch"])
-    times: dict[str, list[float]] = {
-        "float32": [],
-        "bf16_dots_f32out": [],
-        "dots_bf16": [],
-        "autocast": [],
-    }
-    mms = {"dots_bf16": mm_dots, "bf16_dots_f32out": mm_bf16_f32out}
-    for _ in range(repeats):
-        for name in times:
-            # Fresh functions each time, so that no cache (jit's or autocast's)
-            # is hit: this is the cost of the first call.
-            loss, params = plain_loss(workload, cfg, mms.get(name, mm_float32))
-            if name == "autocast":
-                loss = mixprec.autocast(loss, "mixed_bfloat16")
-            step = make_step(loss)
-            t0 = time.perf_counter()
-            jax.jit(step).lower(params, x, y).compile()
-            times[name].append(time.perf_counter() - t0)
-    base = statistics.median(times["float32"])
+    params = init_params(workload, cfg)
+
+    def fresh(name: str) -> Callable[[], Any]:
+        # Fresh functions every round, so that no cache (jit's or autocast's) is
+        # hit: this is the cost of the first call.
+        loss = plain_loss(workload, cfg, DOTS.get(name))
+        if name == "autocast":
+            loss = mixprec.autocast(loss, "mixed_bfloat16")
+        step = make_step(loss)
+        return lambda: jax.jit(step).lower(params, x, y).compile()
+
+    names = ("float32", "bf16_dots_f32out", "dots_bf16", "autocast")
+    times = timing.interleaved(
+        {name: ft.partial(fresh, name) for name in names}, rounds=repeats, setup=True
+    )
+    base = timing.median(times["float32"])
     return [
         dict(
             workload=workload,
             variant=name,
-            median_s=statistics.median(t),
+            median_s=timing.median(t),
             times_s=t,
-            ratio_vs_float32=statistics.median(t) / base,
+            ratio_vs_float32=timing.ratio(timing.median(t), base),
         )
         for name, t in times.items()
     ]
 
 
+# --- trace cost ------------------------------------------------------------------
+
+
+def count_eqns(jaxpr: Any) -> int:
+    """Equations of a jaxpr, those of its sub-jaxprs (jit, custom_vjp, ...) included."""
+    if isinstance(jaxpr, jex_core.ClosedJaxpr):
+        jaxpr = jaxpr.jaxpr
+    n = 0
+    for eqn in jaxpr.eqns:
+        n += 1
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(sub, (jex_core.Jaxpr, jex_core.ClosedJaxpr)):
+                    n += count_eqns(sub)
+    return n
+
+
+def residual_mlp(layers: int, d: int = 64, batch: int = 32) -> tuple[Any, jax.Array]:
+    """Parameters of ``layers`` residual layers and a batch."""
+    keys = jax.random.split(jax.random.key(0), layers + 1)
+    params = [
+        dict(
+            w=jax.random.normal(k, (d, d), F32) * (1.0 / d**0.5),
+            b=jnp.zeros((d,), F32),
+        )
+        for k in keys[:-1]
+    ]
+    return params, jax.random.normal(keys[-1], (batch, d), F32)
+
+
+def residual_loss() -> Callable[[Any, jax.Array], jax.Array]:
+    """A fresh loss function: ``h = h + tanh(h @ w + b)`` per layer, float32 code."""
+
+    def loss(params: Any, x: jax.Array) -> jax.Array:
+        h = x
+        for layer in params:
+            h = h + jnp.tanh(h @ layer["w"] + layer["b"])
+        return jnp.mean(jnp.square(h))
+
+    return loss
+
+
+def residual_loss_bf16() -> Callable[[Any, jax.Array], jax.Array]:
+    """The same loss written by hand in bfloat16: each layer rounds ``h``, ``w`` and
+    ``b`` to bfloat16, computes ``tanh(h @ w + b)`` in bfloat16 and adds it to the
+    float32 residual stream (which is what autocast keeps in float32 too)."""
+
+    def loss(params: Any, x: jax.Array) -> jax.Array:
+        h = x
+        for layer in params:
+            z = h.astype(BF16) @ layer["w"].astype(BF16) + layer["b"].astype(BF16)
+            h = h + jnp.tanh(z).astype(F32)
+        return jnp.mean(jnp.square(h))
+
+    return loss
+
+
+def trace_functions() -> dict[str, Callable[[], Callable[..., Any]]]:
+    """name -> a factory of a fresh function to trace (autocast caches per object)."""
+
+    def step_of(loss: Callable[..., Any]) -> Callable[..., Any]:
+        def step(params: Any, x: jax.Array) -> Any:
+            grads = jax.grad(loss)(params, x)
+            return jax.tree.map(lambda p, g: p - LR * g, params, grads)
+
+        return step
+
+    return {
+        "value_and_grad/plain": lambda: jax.value_and_grad(residual_loss()),
+        "value_and_grad/autocast": lambda: jax.value_and_grad(
+            mixprec.autocast(residual_loss(), "mixed_bfloat16")
+        ),
+        "step/plain": lambda: step_of(residual_loss()),
+        "step/autocast": lambda: mixprec.autocast(
+            step_of(residual_loss()), "mixed_bfloat16"
+        ),
+        "step/hand_bf16": lambda: step_of(residual_loss_bf16()),
+    }
+
+
+def _lower(
+    factory: Callable[[], Any], cpu_log: list[float], *args: Any
+) -> Callable[[], Any]:
+    """Setup: a fresh function; timed: ``jax.jit(fn).trace(*args).lower()``.
+
+    The call also logs the process CPU time it took: tracing is single-threaded
+    Python, so on a shared machine the CPU time is the cost without the waits
+    for a core that inflate the wall time.
+    """
+    fn = factory()
+
+    def run() -> Any:
+        t0 = time.process_time()
+        lowered = jax.jit(fn).trace(*args).lower()
+        cpu_log.append(time.process_time() - t0)
+        return lowered
+
+    return run
+
+
+def _compile(factory: Callable[[], Any], *args: Any) -> Callable[[], Any]:
+    """Setup: a fresh function traced and lowered; timed: XLA's compile."""
+    return jax.jit(factory()).trace(*args).lower().compile
+
+
+def trace_rows(layers: tuple[int, ...], repeats: int) -> list[dict[str, Any]]:
+    """Trace+lower time and equation counts, plain vs autocast; XLA compile time of
+    the step: float32, autocast and by hand in bfloat16."""
+    factories = trace_functions()
+    traced = ("value_and_grad/plain", "value_and_grad/autocast")
+    traced += ("step/plain", "step/autocast")
+    compiled = ("step/plain", "step/autocast", "step/hand_bf16")
+    rows = []
+    for n in layers:
+        params, x = residual_mlp(n)
+        print(f"[trace] {n} layers: trace+lower x {repeats} ...", flush=True)
+
+        cpu: dict[str, list[float]] = {name: [] for name in traced}
+        t_lower = timing.interleaved(
+            {
+                name: ft.partial(_lower, factories[name], cpu[name], params, x)
+                for name in traced
+            },
+            rounds=repeats,
+            setup=True,
+        )
+        eqns = {
+            name: count_eqns(jax.jit(factories[name]()).trace(params, x).jaxpr)
+            for name in (*traced, "step/hand_bf16")
+        }
+        print(f"[trace] {n} layers: XLA compile x {repeats} ...", flush=True)
+
+        t_compile = timing.interleaved(
+            {
+                name: ft.partial(_compile, factories[name], params, x)
+                for name in compiled
+            },
+            rounds=repeats,
+            setup=True,
+        )
+        row: dict[str, Any] = dict(layers=n, eqns=eqns)
+        for what in ("value_and_grad", "step"):
+            plain = timing.median(t_lower[f"{what}/plain"])
+            auto = timing.median(t_lower[f"{what}/autocast"])
+            n_plain, n_auto = eqns[f"{what}/plain"], eqns[f"{what}/autocast"]
+            cpu_plain = timing.median(cpu[f"{what}/plain"])
+            cpu_auto = timing.median(cpu[f"{what}/autocast"])
+            row[what] = dict(
+                plain_s=plain,
+                autocast_s=auto,
+                plain_times_s=t_lower[f"{what}/plain"],
+                autocast_times_s=t_lower[f"{what}/autocast"],
+                ratio=timing.ratio(auto, plain),
+                plain_cpu_s=cpu_plain,
+                autocast_cpu_s=cpu_auto,
+                plain_cpu_times_s=cpu[f"{what}/plain"],
+                autocast_cpu_times_s=cpu[f"{what}/autocast"],
+                cpu_ratio=timing.ratio(cpu_auto, cpu_plain),
+                eqns_plain=n_plain,
+                eqns_autocast=n_auto,
+                plain_us_per_eqn=1e6 * plain / n_plain,
+                autocast_us_per_eqn=1e6 * auto / n_auto,
+                plain_cpu_us_per_eqn=1e6 * cpu_plain / n_plain,
+                autocast_cpu_us_per_eqn=1e6 * cpu_auto / n_auto,
+                # The time ratio over the equation-count ratio: 1.0 when an
+                # autocast equation costs what a plain one does.
+                ratio_per_eqn=timing.ratio(auto / n_auto, plain / n_plain),
+                cpu_ratio_per_eqn=timing.ratio(cpu_auto / n_auto, cpu_plain / n_plain),
+                extra_us_per_plain_eqn=1e6 * (auto - plain) / n_plain,
+                extra_cpu_us_per_plain_eqn=1e6 * (cpu_auto - cpu_plain) / n_plain,
+            )
+        row["compile"] = {
+            name.split("/")[1]: dict(
+                median_s=timing.median(t), times_s=t, eqns=eqns[name]
+            )
+            for name, t in t_compile.items()
+        }
+        row["compile"]["autocast_vs_hand_bf16"] = timing.ratio(
+            row["compile"]["autocast"]["median_s"],
+            row["compile"]["hand_bf16"]["median_s"],
+        )
+        rows.append(row)
+    return rows
+
+
 # --- report -------------------------------------------------------------------
+
+
+def fmt_trace_table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| layers | traced + lowered | plain ms | autocast ms | ratio | plain CPU ms "
+        "| autocast CPU ms | CPU ratio | eqns plain | eqns autocast | plain CPU "
+        "us/eqn | autocast CPU us/eqn | CPU ratio per eqn |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        for what in ("value_and_grad", "step"):
+            m = r[what]
+            lines.append(
+                f"| {r['layers']} | {what} | {1e3 * m['plain_s']:.1f} "
+                f"| {1e3 * m['autocast_s']:.1f} | {m['ratio']:.2f}x "
+                f"| {1e3 * m['plain_cpu_s']:.1f} | {1e3 * m['autocast_cpu_s']:.1f} "
+                f"| {m['cpu_ratio']:.2f}x | {m['eqns_plain']} | {m['eqns_autocast']} "
+                f"| {m['plain_cpu_us_per_eqn']:.0f} "
+                f"| {m['autocast_cpu_us_per_eqn']:.0f} "
+                f"| {m['cpu_ratio_per_eqn']:.2f} |"
+            )
+    lines += [
+        "",
+        "Medians of interleaved rounds, fresh functions every round. ms: wall "
+        "time; CPU ms: the process's CPU time over the same calls (tracing is "
+        "single-threaded, so this is the cost without the waits for a core that "
+        "load on a shared machine adds to the wall time). ratio: autocast / plain. "
+        "eqns: equations of the traced jaxpr, sub-jaxprs included. us/eqn flat "
+        "across depths = cost linear in the equation count. CPU ratio per eqn: "
+        "CPU ratio / (eqns autocast / eqns plain), the cost of an autocast "
+        "equation relative to a plain one. The JSON has the wall-time per-equation "
+        "figures too.",
+    ]
+    lines += [
+        "",
+        "| layers | XLA compile of the step | float32 s | autocast s | hand bf16 s "
+        "| autocast / hand bf16 | eqns autocast | eqns hand bf16 |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        c = r["compile"]
+        lines.append(
+            f"| {r['layers']} | step | {c['plain']['median_s']:.2f} "
+            f"| {c['autocast']['median_s']:.2f} | {c['hand_bf16']['median_s']:.2f} "
+            f"| {c['autocast_vs_hand_bf16']:.2f}x | {c['autocast']['eqns']} "
+            f"| {c['hand_bf16']['eqns']} |"
+        )
+    return "\n".join(lines)
 
 
 def fmt_table(data: dict[str, Any]) -> str:
     lines = []
-    lines.append("| workload | variant | median step (ms) | speedup vs float32 |")
-    lines.append("|---|---|---:|---:|")
-    for r in data["results"]:
-        lines.append(
-            f"| {r['workload']} | {r['variant']} | {r['median_s'] * 1e3:.1f} | "
-            f"{r['speedup_vs_float32']:.2f}x |"
-        )
+    if data["results"]:
+        lines.append("| workload | variant | median step (ms) | speedup vs float32 |")
+        lines.append("|---|---|---:|---:|")
+        for r in data["results"]:
+            lines.append(
+                f"| {r['workload']} | {r['variant']} | {r['median_s'] * 1e3:.1f} | "
+                f"{r['speedup_vs_float32']:.2f}x |"
+            )
     if data["memory"]:
         lines.append("")
         lines.append(
@@ -611,8 +648,9 @@ def fmt_table(data: dict[str, Any]) -> str:
             lines.append(
                 f"| {r['workload']} | {r['batch']} | {r['variant']} | "
                 f"{r['residual_bytes'] / mib:.1f} | {r['residual_ratio']:.2f}x | "
-                f"{r['temp_bytes'] / mib:.1f} | {r['argument_bytes'] / mib:.1f} | "
-                f"{r['output_bytes'] / mib:.1f} |"
+                f"{(r['temp_bytes'] or 0) / mib:.1f} | "
+                f"{(r['argument_bytes'] or 0) / mib:.1f} | "
+                f"{(r['output_bytes'] or 0) / mib:.1f} |"
             )
     if data["compile"]:
         lines.append("")
@@ -625,18 +663,23 @@ def fmt_table(data: dict[str, Any]) -> str:
                 f"| {r['workload']} | {r['variant']} | {r['median_s']:.2f} | "
                 f"{r['ratio_vs_float32']:.2f}x |"
             )
-    return "\n".join(lines)
+    if data["trace"]:
+        lines.append("")
+        lines.append(fmt_trace_table(data["trace"]))
+    return "\n".join(lines).strip("\n")
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+def header(cfg: dict[str, Any]) -> str:
+    env = cfg["environment"]
+    load = env["loadavg"] or [float("nan")]
+    end = cfg.get("loadavg_end") or [float("nan")]
+    return (
+        f"Measured {env['date']} on {env['device']} / {env['cpu_model']} "
+        f"({env['cpu_count']} CPUs, {env['backend']}; CPU flags: "
+        f"{timing.flags_summary(env['cpu_flags'])}), jax {env['jax']}, torch "
+        f"{cfg['torch']}; load average {load[0]:.1f} -> {end[0]:.1f}. "
+        f"Command: `{cfg['command']}`."
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -658,29 +701,75 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch rows")
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument(
+        "--trace-only",
+        action="store_true",
+        help="run only the trace-cost section (residual MLP, plain vs autocast)",
+    )
+    parser.add_argument(
+        "--no-trace", action="store_true", help="skip the trace-cost section"
+    )
+    parser.add_argument(
+        "--trace-layers",
+        default=None,
+        help="comma-separated depths of the residual MLP (default: 16,64,256; "
+        "--quick: 2,8)",
+    )
+    parser.add_argument(
+        "--trace-repeats",
+        type=int,
+        default=None,
+        help="interleaved rounds of the trace-cost section (default: 5; --quick: 1)",
+    )
     parser.add_argument("--out", default=None, help="JSON output path")
     args = parser.parse_args(argv)
+    if args.trace_only and args.no_trace:
+        parser.error("--trace-only and --no-trace contradict each other")
 
     sizes = QUICK if args.quick else FULL
     repeats = args.repeats or (2 if args.quick else 7)
     compile_repeats = args.compile_repeats or (1 if args.quick else 3)
-    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    trace_repeats = args.trace_repeats or (1 if args.quick else 5)
+    try:
+        trace_layers = (
+            tuple(int(n) for n in args.trace_layers.split(",") if n.strip())
+            if args.trace_layers
+            else (QUICK_TRACE_LAYERS if args.quick else TRACE_LAYERS)
+        )
+    except ValueError:
+        parser.error(f"--trace-layers: expected integers, got {args.trace_layers!r}")
+    for value, flag in (
+        (repeats, "--repeats"),
+        (compile_repeats, "--compile-repeats"),
+        (trace_repeats, "--trace-repeats"),
+        (min(trace_layers, default=0), "--trace-layers"),
+    ):
+        if value < 1:
+            parser.error(f"{flag} must be >= 1, got {value}")
+    workloads = (
+        []
+        if args.trace_only
+        else [w.strip() for w in args.workloads.split(",") if w.strip()]
+    )
     for w in workloads:
         if w not in FULL:
             parser.error(f"unknown workload {w!r}; choose from {sorted(FULL)}")
-    backend = jax.default_backend()
+    env = timing.environment()
+    stem = "bench_autocast_trace" if args.trace_only else "bench_autocast"
     out_path = args.out or os.path.join(
         _ROOT,
         "benchmarks",
         "results",
-        f"bench_autocast_{backend}{'_quick' if args.quick else ''}.json",
+        f"{stem}_{env['backend']}{'_quick' if args.quick else ''}.json",
     )
-    try:
-        import torch
+    torch_version = None
+    if not (args.no_torch or args.trace_only):
+        try:
+            import torch
 
-        torch_version = None if args.no_torch else torch.__version__
-    except ImportError:
-        torch_version = None
+            torch_version = torch.__version__
+        except ImportError:
+            pass
 
     data: dict[str, Any] = dict(
         config=dict(
@@ -688,25 +777,28 @@ def main(argv: list[str] | None = None) -> int:
             repeats=repeats,
             warmup=args.warmup,
             compile_repeats=compile_repeats,
-            workloads={w: sizes[w] for w in workloads},
-            backend=backend,
-            device=str(jax.devices()[0].device_kind),
-            cpu_model=cpu_model(),
-            cpu_count=os.cpu_count(),
-            jax=jax.__version__,
-            jaxlib=importlib.metadata.version("jaxlib"),
+            trace_repeats=trace_repeats,
+            trace_layers=None if args.no_trace else list(trace_layers),
+            workloads={
+                w: {
+                    **{k: v for k, v in sizes[w].items() if k != "model"},
+                    "model": dataclasses.asdict(sizes[w]["model"]),
+                }
+                for w in workloads
+            },
+            environment=env,
+            jax=env["jax"],
+            cpu_flags=env["cpu_flags"],
             torch=torch_version,
-            python=platform.python_version(),
-            machine=platform.machine(),
-            date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             command=" ".join(["python", *sys.argv]),
-            loadavg_start=list(os.getloadavg()),
         ),
         results=[],
         memory=[],
         compile=[],
+        trace=[],
     )
     only = set(args.variants.split(",")) if args.variants else None
+    t_start = time.perf_counter()
 
     for w in workloads:
         cfg = sizes[w]
@@ -728,11 +820,11 @@ def main(argv: list[str] | None = None) -> int:
                 tv = {k: v for k, v in tv.items() if k in only or k == "torch_float32"}
             runners.update(tv)
         print(
-            f"[{w}] timing {len(runners)} variants x {repeats} interleaved repeats",
+            f"[{w}] timing {len(runners)} variants x {repeats} interleaved rounds",
             flush=True,
         )
-        times = time_interleaved(runners, repeats, args.warmup)
-        med = {k: statistics.median(t) for k, t in times.items()}
+        times = timing.interleaved(runners, rounds=repeats, warmup=args.warmup)
+        med = {k: timing.median(t) for k, t in times.items()}
         for name, t in times.items():
             base = med["torch_float32"] if name.startswith("torch") else med["float32"]
             data["results"].append(
@@ -743,8 +835,8 @@ def main(argv: list[str] | None = None) -> int:
                     median_s=med[name],
                     min_s=min(t),
                     times_s=t,
-                    speedup_vs_float32=base / med[name],
-                    speedup_vs_jax_float32=med["float32"] / med[name],
+                    speedup_vs_float32=timing.ratio(base, med[name]),
+                    speedup_vs_jax_float32=timing.ratio(med["float32"], med[name]),
                 )
             )
         if w == "mlp" and not args.no_memory:
@@ -753,24 +845,18 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_compile:
             print(f"[{w}] trace+compile time ...", flush=True)
             data["compile"].extend(compile_rows(w, cfg, compile_repeats))
+    if not args.no_trace:
+        data["trace"] = trace_rows(trace_layers, trace_repeats)
 
-    data["config"]["loadavg_end"] = list(os.getloadavg())
+    data["config"]["wall_s"] = round(time.perf_counter() - t_start, 1)
+    data["config"]["loadavg_end"] = timing.environment()["loadavg"]
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     with open(out_path, "w") as f:
         json.dump(data, f, indent=1)
     table = fmt_table(data)
     md_path = os.path.splitext(out_path)[0] + ".md"
     with open(md_path, "w") as f:
-        cfg = data["config"]
-        f.write(
-            f"Measured {cfg['date']} on {cfg['device']} / {cfg['cpu_model']} "
-            f"({cfg['cpu_count']} CPUs, "
-            f"{cfg['backend']}), jax {cfg['jax']}, torch {cfg['torch']}; "
-            f"load average {cfg['loadavg_start'][0]:.1f} -> "
-            f"{cfg['loadavg_end'][0]:.1f}. "
-            f"Command: `{cfg['command']}`.\n\n"
-        )
-        f.write(table + "\n")
+        f.write(header(data["config"]) + "\n\n" + table + "\n")
     print(f"wrote {out_path} and {md_path}")
     print(table)
     return 0

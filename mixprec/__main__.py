@@ -1,8 +1,8 @@
-"""``python -m mixprec``: the ``mixprec`` command line (see ``mixprec/_src/cli.py``)."""
+"""``python -m mixprec``: the ``mixprec`` command line (``_src/cli/main.py``)."""
 
 import sys
 
-from ._src.cli import main
+from ._src.cli.main import main
 
 
 if __name__ == "__main__":

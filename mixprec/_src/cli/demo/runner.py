@@ -2,34 +2,31 @@
 
 from __future__ import annotations
 
-import datetime
 import os
 import pathlib
-import platform
 import time
 from collections.abc import Sequence
 from typing import Any
 
-
-class DemoError(Exception):
-    """A user-facing error of the demo (bad combination of options, ...)."""
+from ..main import CLIError
 
 
 def _meta(
     size: str, mechanism: str, seed: int, loss_scale_period: int
 ) -> dict[str, Any]:
-    import jax
+    from .. import timing
 
-    import mixprec
-
-    dev = jax.devices()[0]
+    env = timing.environment()
     return {
-        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "device": f"{dev.platform}: {getattr(dev, 'device_kind', '')}".rstrip(": "),
-        "cpu cores": os.cpu_count(),
-        "machine": platform.machine(),
-        "jax": jax.__version__,
-        "mixprec": mixprec.__version__,
+        "date": env["date"],
+        "device": env["device"],
+        "cpu": env["cpu_model"],
+        "cpu cores": env["cpu_count"],
+        "cpu flags": timing.flags_summary(env["cpu_flags"]),
+        "machine": env["machine"],
+        "jax": env["jax"],
+        "jaxlib": env["jaxlib"],
+        "mixprec": env["mixprec"],
         "size": size,
         "mechanism": mechanism,
         "seed": seed,
@@ -55,7 +52,7 @@ def run_demo(
     progress: bool = True,
     console: Any = None,
 ) -> int:
-    """Runs the demo; returns 0 if every run finished, 1 if any run failed.
+    """Runs the demo and writes its outputs; returns 0 when every run finished.
 
     Args:
       workloads: names from ``train.WORKLOADS``.
@@ -70,6 +67,10 @@ def run_demo(
       plot: write ``demo.png``.
       progress: show progress bars (on stderr).
       console: a ``rich.console.Console`` for the tables (stdout by default).
+
+    Raises:
+      CLIError: bad options, an output folder that cannot be created, or runs
+        that failed (raised after the other runs' results are written).
     """
     from rich.console import Console
 
@@ -85,11 +86,11 @@ def run_demo(
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise DemoError(f"cannot create the output folder {str(out_dir)!r}: {e}") from e
+        raise CLIError(f"cannot create the output folder {str(out_dir)!r}: {e}") from e
 
     have_autocast = train_lib.autocast_available()
     if mechanism == "autocast" and not have_autocast:
-        raise DemoError(
+        raise CLIError(
             "`--mechanism autocast` needs `mixprec.autocast`, which this build does "
             "not have; use `--mechanism manual`."
         )
@@ -114,7 +115,7 @@ def run_demo(
                 name, size=size_name, batch_size=batch_size
             )
         except ValueError as e:
-            raise DemoError(str(e)) from e
+            raise CLIError(str(e)) from e
         titles[name] = workload.title
         err_console.print(f"  {workload.title}")
         n_steps = steps if steps is not None else workload.steps
@@ -156,4 +157,10 @@ def run_demo(
         + f" in {meta['wall time (s)']:.0f} s"
     )
     failed = [r for r in results if r.error]
-    return 1 if failed else 0
+    if failed:
+        raise CLIError(
+            f"{len(failed)} of {len(results)} runs failed ("
+            + "; ".join(f"{r.workload} {r.precision}: {r.error}" for r in failed)
+            + f"); the results of the others are in {out_dir}"
+        )
+    return 0

@@ -1,9 +1,22 @@
 """The ``mixprec`` command line: ``demo``, ``bench``, ``inspect``, ``diagnose``.
 
-``main(argv)`` parses with the standard library's ``argparse`` and returns the exit
-status. Importing this module does no work: JAX, rich and matplotlib are imported
-by the subcommand that runs. ``inspect`` and ``diagnose`` are registered by
-``mixprec._src.cli_numerics`` when it is present.
+One parser (:func:`build_parser`), one entry point (:func:`main`, the
+``mixprec`` script and ``python -m mixprec``) and one exit-code policy:
+
+* 0 (:data:`EXIT_OK`): success.
+* 1 (:data:`EXIT_ERROR`): an error while running, printed on stderr as
+  ``mixprec <command>: error: <message>``: a target that cannot be loaded, a
+  missing optional package, a bad policy or mixlist, a run that failed.
+* 2 (:data:`EXIT_USAGE`): a bad command line; argparse prints the usage and
+  the problem on stderr.
+* 3 (:data:`EXIT_PROBLEMS`): ``mixprec diagnose --fail-on-problems`` found an
+  op that overflows, underflows or turns NaN (the report is printed as usual).
+* 130 (:data:`EXIT_INTERRUPTED`): interrupted with Ctrl-C.
+
+A command is a function ``(argparse.Namespace) -> int`` that returns 0 or 3 and
+raises :class:`CLIError` for an error; :func:`main` turns that into the message
+and status 1. Importing this module does no work: JAX's backends, rich,
+matplotlib, optax and flax are imported by the command that runs.
 """
 
 from __future__ import annotations
@@ -12,12 +25,17 @@ import argparse
 import difflib
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
 
 
 PROG = "mixprec"
 
-# Aliases accepted on the command line for the demo's precisions.
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_PROBLEMS = 3
+EXIT_INTERRUPTED = 130
+
+# Aliases accepted on the command line for the precisions.
 _PRECISION_ALIASES = {
     "float32": "float32",
     "f32": "float32",
@@ -37,7 +55,7 @@ BENCH_MECHANISMS = ("manual", "flax", "autocast")
 
 
 class CLIError(Exception):
-    """A user error: printed as ``mixprec <cmd>: error: <message>``, exit status 1."""
+    """A user error: printed as ``mixprec <command>: error: <message>``, status 1."""
 
 
 # ----------------------------------------------------------------------------- types
@@ -64,6 +82,18 @@ def _non_negative_int(text: str) -> int:
         ) from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive number, got {text!r}"
+        ) from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
     return value
 
 
@@ -100,8 +130,13 @@ def _choice_list(
     return parse
 
 
-def _merge(values: list[list[str]] | None, default: Sequence[str]) -> list[str]:
-    """Flattens repeated list options, dropping duplicates, keeping order."""
+def merge(values: list[list[str]] | None, default: Sequence[str]) -> list[str]:
+    """Flattens repeated list options, dropping duplicates, keeping order.
+
+    Examples:
+      >>> merge([["a", "b"], ["a", "c"]], ()), merge(None, ("x",))
+      (['a', 'b', 'c'], ['x'])
+    """
     if not values:
         return list(default)
     seen: dict[str, None] = {}
@@ -111,7 +146,17 @@ def _merge(values: list[list[str]] | None, default: Sequence[str]) -> list[str]:
     return list(seen)
 
 
-# ----------------------------------------------------------------------------- parser
+# ----------------------------------------------------------------------------- help
+
+_EPILOG = """\
+exit status:
+  0    success
+  1    error while running ("mixprec <command>: error: <message>" on stderr)
+  2    bad command line (usage and message on stderr)
+  3    `diagnose --fail-on-problems` found an op that overflows, underflows or
+       turns NaN
+  130  interrupted
+"""
 
 _DEMO_DESCRIPTION = """\
 Train two real workloads in float32 and in mixed precision, side by side, and show
@@ -140,7 +185,7 @@ outputs (in --out): results.md and results.json (the tables and every measured
 number, per-step losses and loss scales included) and demo.png (loss curves and
 the loss-scale trace). The tables are also printed.
 
-The defaults finish in about 2-3 minutes on 2 CPU cores. Note that CPUs have
+The defaults finish in about 1-3 minutes on 2 CPU cores. Note that CPUs have
 little or no native float16 arithmetic: expect mixed_float16 to be slower than
 float32 on a CPU; the speed-ups are for GPUs (and bfloat16 on recent CPUs).
 """
@@ -163,28 +208,23 @@ mechanisms (each mixed precision is run with each of them; float32 is the baseli
   autocast  the unchanged float32 model under mixprec.autocast
 
 size sets: CPU sizes by default; --gpu runs the GPU set (a GPT-2-small-sized LM,
-a ResNet-style CNN, the Keras-seed MLP at 4096 units).
+a ResNet-style CNN, the Keras-guide MLP at 4096 units).
+"""
+
+_TARGET_HELP = """\
+TARGET is module:function (an importable module, or a path to a .py file, e.g.
+examples/diagnose_planted.py:mlp_loss). The function is called with example
+inputs, found in this order:
+  1. --args NAME: a zero-argument callable NAME in the same module, or
+     other_module:NAME;
+  2. <function>_example_args() in the module, e.g. loss_example_args();
+  3. example_args() in the module.
+The callable returns a tuple of positional arguments (a list works too; a dict is
+taken as keyword arguments; anything else is the single argument).
 """
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``mixprec`` argument parser (all subcommands).
-
-    Examples:
-      >>> args = build_parser().parse_args(["demo", "--steps", "5"])
-      >>> args.command, args.steps
-      ('demo', 5)
-    """
-    parser = argparse.ArgumentParser(
-        prog=PROG,
-        description="mixprec: mixed-precision training for JAX.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument(
-        "--version", action="store_true", help="print the mixprec version and exit"
-    )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-
+def _add_demo(sub: argparse._SubParsersAction) -> None:
     demo = sub.add_parser(
         "demo",
         help="train real workloads in float32 vs mixed precision; table + plot",
@@ -272,6 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.set_defaults(func=_run_demo)
 
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser(
         "bench",
         help="benchmark workloads x precision x mechanism; JSON + markdown",
@@ -349,20 +391,124 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.set_defaults(func=_run_bench)
 
-    _register_numerics(sub)
+
+def _add_numerics(sub: argparse._SubParsersAction) -> None:
+    inspect = sub.add_parser(
+        "inspect",
+        help="which dtype autocast runs each op of a function in, and why",
+        description="Print mixprec.explain(fn, *example_args) as a table or JSON.\n\n"
+        + _TARGET_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    diagnose = sub.add_parser(
+        "diagnose",
+        help="run a function in float32 and mixed precision side by side and "
+        "find the ops that overflow, underflow or turn NaN",
+        description="Print mixprec.diagnose(fn, *example_args) with advice.\n\n"
+        + _TARGET_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    for p in (inspect, diagnose):
+        p.add_argument("target", help="module:function or path/to/file.py:function")
+        p.add_argument(
+            "--args",
+            dest="example_args",
+            default=None,
+            metavar="NAME",
+            help="callable returning example arguments (NAME or module:NAME); "
+            "default: <function>_example_args or example_args in the module",
+        )
+        p.add_argument(
+            "--policy",
+            default="mixed_float16",
+            help="policy name or spec, e.g. mixed_bfloat16 or p=f32,c=bf16,o=f32 "
+            "(default: mixed_float16)",
+        )
+        p.add_argument(
+            "--mode",
+            default="allow_mix_precision",
+            help="precision mode of mixprec.autocast (default: %(default)s)",
+        )
+        p.add_argument(
+            "--mixlist",
+            default=None,
+            metavar="JSON",
+            help="modify_mixlist JSON text or path to a JSON file",
+        )
+        p.add_argument(
+            "--json", action="store_true", help="print JSON instead of tables"
+        )
+        p.add_argument(
+            "--plain", action="store_true", help="plain text, no rich tables"
+        )
+        p.add_argument(
+            "--max-rows",
+            type=_positive_int,
+            default=None,
+            metavar="N",
+            help="show at most N rows",
+        )
+        p.add_argument(
+            "--width",
+            type=_positive_int,
+            default=None,
+            metavar="N",
+            help="console width for rich tables",
+        )
+    inspect.set_defaults(func=_run_inspect)
+
+    diagnose.add_argument(
+        "--loss-scale",
+        type=_positive_float,
+        default=None,
+        metavar="S",
+        help="treat the function as a scalar loss and diagnose its gradient at "
+        "this loss scale",
+    )
+    diagnose.add_argument(
+        "--argnums",
+        type=_non_negative_int,
+        nargs="+",
+        default=[0],
+        metavar="I",
+        help="arguments to differentiate with --loss-scale (default: 0)",
+    )
+    diagnose.add_argument(
+        "--all", action="store_true", help="list every op, not only problems"
+    )
+    diagnose.add_argument(
+        "--fail-on-problems",
+        action="store_true",
+        help=f"exit with status {EXIT_PROBLEMS} if any op overflows, underflows or "
+        "turns NaN",
+    )
+    diagnose.set_defaults(func=_run_diagnose)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``mixprec`` argument parser, every subcommand included.
+
+    Examples:
+      >>> args = build_parser().parse_args(["demo", "--steps", "5"])
+      >>> args.command, args.steps
+      ('demo', 5)
+      >>> build_parser().parse_args(["diagnose", "m:f", "--all"]).all
+      True
+    """
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="mixprec: mixed-precision training for JAX.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--version", action="store_true", help="print the mixprec version and exit"
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_demo(sub)
+    _add_bench(sub)
+    _add_numerics(sub)
     return parser
-
-
-def _register_numerics(sub: Any) -> None:
-    """Adds ``inspect`` and ``diagnose`` (owned by the numerics helper) if present."""
-    import importlib
-    import importlib.util
-
-    name = f"{__package__}.cli_numerics"
-    if importlib.util.find_spec(name) is None:  # not written yet / not shipped
-        return
-    # A module that exists but fails to import is a bug: let it raise.
-    importlib.import_module(name).register(sub)
 
 
 # ----------------------------------------------------------------------------- main
@@ -375,34 +521,34 @@ def main(argv: Sequence[str] | None = None) -> int:
       argv: the arguments after the program name (``sys.argv[1:]`` when ``None``).
 
     Returns:
-      0 on success, 1 for an error while running (a clear message on stderr), 2 for
-      bad arguments (argparse's message and usage on stderr).
+      The exit status of the module docstring's policy: 0 success, 1 an error
+      (``mixprec <command>: error: <message>`` on stderr), 2 a bad command line,
+      3 problems found by ``diagnose --fail-on-problems``, 130 interrupted.
 
     Examples:
-      >>> main(["demo", "--steps", "0"])  # doctest: +ELLIPSIS
+      >>> main(["demo", "--steps", "0"])
       2
     """
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help (0) or a usage error (2)
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+        return e.code if isinstance(e.code, int) else EXIT_USAGE
     if args.version:
         print(_version())
-        return 0
+        return EXIT_OK
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help(sys.stderr)
-        return 2
+        return EXIT_USAGE
     try:
-        status = func(args)
-    except (CLIError, ImportError, FileNotFoundError) as e:
+        return int(func(args))
+    except (CLIError, ImportError) as e:  # ImportError: a missing optional package
         print(f"{PROG} {args.command}: error: {e}", file=sys.stderr)
-        return 1
+        return EXIT_ERROR
     except KeyboardInterrupt:
         print(f"{PROG} {args.command}: interrupted", file=sys.stderr)
-        return 130
-    return int(status or 0)
+        return EXIT_INTERRUPTED
 
 
 def _version() -> str:
@@ -414,10 +560,16 @@ def _version() -> str:
         return "mixprec (source tree)"
 
 
-# ----------------------------------------------------------------------------- demo
+def require(module: str, command: str) -> None:
+    """Raises :class:`CLIError` naming the pip extra if ``module`` is missing.
 
-
-def _require(module: str, command: str) -> None:
+    Examples:
+      >>> require("json", "demo")
+      >>> require("no_such_module_xyz", "demo")
+      Traceback (most recent call last):
+      ...
+      mixprec._src.cli.main.CLIError: `mixprec demo` requires `no_such_module_xyz`; ...
+    """
     import importlib.util
 
     if importlib.util.find_spec(module) is None:
@@ -427,52 +579,60 @@ def _require(module: str, command: str) -> None:
         )
 
 
+# ----------------------------------------------------------------------------- commands
+
+
 def _run_demo(args: argparse.Namespace) -> int:
+    for module in ("rich", "optax") + (() if args.no_plot else ("matplotlib",)):
+        require(module, "demo")
     from .demo import runner
 
-    for module in ("rich", "optax") + (() if args.no_plot else ("matplotlib",)):
-        _require(module, "demo")
-    try:
-        return runner.run_demo(
-            workloads=_merge(args.workload, WORKLOADS),
-            precisions=_merge(args.precision, PRECISIONS),
-            steps=args.steps,
-            size=args.size,
-            batch_size=args.batch_size,
-            mechanism=args.mechanism,
-            out=args.out,
-            loss_scale_period=args.loss_scale_period,
-            seed=args.seed,
-            plot=not args.no_plot,
-            progress=not args.no_progress,
-        )
-    except runner.DemoError as e:
-        raise CLIError(str(e)) from None
+    return runner.run_demo(
+        workloads=merge(args.workload, WORKLOADS),
+        precisions=merge(args.precision, PRECISIONS),
+        steps=args.steps,
+        size=args.size,
+        batch_size=args.batch_size,
+        mechanism=args.mechanism,
+        out=args.out,
+        loss_scale_period=args.loss_scale_period,
+        seed=args.seed,
+        plot=not args.no_plot,
+        progress=not args.no_progress,
+    )
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    from . import bench
-
-    mechanisms = _merge(args.mechanism, BENCH_MECHANISMS)
+    mechanisms = merge(args.mechanism, BENCH_MECHANISMS)
     for module in ("optax",) + (("flax",) if "flax" in mechanisms else ()):
-        _require(module, "bench")
+        require(module, "bench")
     if args.gpu and args.size not in (None, "gpu"):
         raise CLIError(f"`--gpu` contradicts `--size {args.size}`; pass one of them.")
-    try:
-        return bench.run_bench(
-            workloads=_merge(args.workload, BENCH_WORKLOADS),
-            precisions=_merge(args.precision, ()) or None,
-            mechanisms=mechanisms,
-            gpu=args.gpu,
-            size_set=args.size,
-            repeats=args.repeats,
-            steps=args.steps,
-            warmup=args.warmup,
-            out=args.out,
-            progress=not args.no_progress,
-        )
-    except bench.BenchError as e:
-        raise CLIError(str(e)) from None
+    from . import bench
+
+    return bench.run_bench(
+        workloads=merge(args.workload, BENCH_WORKLOADS),
+        precisions=merge(args.precision, ()) or None,
+        mechanisms=mechanisms,
+        size_set=args.size or ("gpu" if args.gpu else None),
+        repeats=args.repeats,
+        steps=args.steps,
+        warmup=args.warmup,
+        out=args.out,
+        progress=not args.no_progress,
+    )
+
+
+def _run_inspect(args: argparse.Namespace) -> int:
+    from . import numerics
+
+    return numerics.run_inspect(args)
+
+
+def _run_diagnose(args: argparse.Namespace) -> int:
+    from . import numerics
+
+    return numerics.run_diagnose(args)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,0 +1,522 @@
+"""``mixprec bench``: workloads x precision x mechanism, timed fairly.
+
+For each workload (the Keras-guide MLP, a GPT-style LM, a ResNet-style CNN; the
+models of ``models.py``) it builds one training step per variant:
+
+* ``float32``: the plain ``jax.numpy`` model (the baseline of every ratio);
+* ``float32 (flax)``: the same model written with Flax linen (when ``flax`` is among
+  the mechanisms), the baseline of the Flax rows;
+* for each mixed precision (``mixed_bfloat16``, ``mixed_float16``) and mechanism:
+
+  - ``manual``: hand-written casting, JMP style: ``policy.cast_to_compute`` of the
+    parameters and inputs, ``policy.cast_to_output`` of the result;
+  - ``flax``: Flax modules with ``dtype=<compute dtype>, param_dtype=float32``;
+  - ``autocast``: the unchanged float32 model under ``mixprec.autocast``.
+
+Every step is a full training step: loss-scaled ``mixprec.value_and_grad`` (dynamic
+loss scaling for float16), Adam through ``mixprec.optax.loss_scaled`` (the demo's
+``train.make_step``). Steps are compiled ahead of time, warmed up, then timed with
+``timing.interleaved`` (every variant once per round, the order rotating between
+rounds) so that drifts in machine load hit every variant alike. Reported: the
+median (and min) time per step over rounds, ratios to float32, XLA's memory
+analysis of the compiled step and the bytes saved for the backward pass.
+Synthetic inputs of the real shapes are used: this measures speed and memory, not
+accuracy (see ``benchmarks/bench_accuracy.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from .main import CLIError
+
+
+MECHANISMS = ("manual", "flax", "autocast")
+WORKLOADS = ("mlp", "lm", "cnn")
+SIZE_SETS = ("cpu", "gpu", "tiny")
+
+
+# ----------------------------------------------------------------------------- sizes
+
+
+def workload_configs(size_set: str) -> dict[str, tuple[Any, int]]:
+    """``workload -> (model config, batch size)`` for a size set.
+
+    ``gpu``: the Keras guide's MLP at 4096 units and batch 8192; a GPT-2-small-sized
+    LM (12 layers, d_model 768, 12 heads, context 1024, a GPT-2-sized vocabulary of
+    50,304, batch 8); a ResNet-18-style CNN (widths 64-512, 2 blocks per stage,
+    128x128x3 images, batch 128).
+
+    Examples:
+      >>> config, batch = workload_configs("gpu")["lm"]
+      >>> config.d_model, batch
+      (768, 8)
+    """
+    from .models import CNNConfig, LMConfig, MLPConfig
+
+    if size_set == "cpu":
+        return {
+            "mlp": (MLPConfig(units=1024), 512),
+            "lm": (
+                LMConfig(
+                    vocab_size=81, seq_len=128, d_model=128, num_heads=4, num_layers=2
+                ),
+                16,
+            ),
+            "cnn": (CNNConfig(image_size=28, in_channels=1, widths=(32, 64)), 64),
+        }
+    if size_set == "gpu":
+        return {
+            "mlp": (MLPConfig(units=4096), 8192),
+            "lm": (
+                LMConfig(
+                    vocab_size=50304,
+                    seq_len=1024,
+                    d_model=768,
+                    num_heads=12,
+                    num_layers=12,
+                ),
+                8,
+            ),
+            "cnn": (
+                CNNConfig(
+                    image_size=128,
+                    in_channels=3,
+                    widths=(64, 128, 256, 512),
+                    blocks_per_stage=2,
+                ),
+                128,
+            ),
+        }
+    if size_set == "tiny":
+        return {
+            "mlp": (MLPConfig(units=32), 16),
+            "lm": (
+                LMConfig(
+                    vocab_size=17, seq_len=16, d_model=16, num_heads=2, num_layers=1
+                ),
+                4,
+            ),
+            "cnn": (CNNConfig(image_size=12, in_channels=1, widths=(4, 8)), 4),
+        }
+    raise CLIError(f"unknown size set {size_set!r}; valid: {', '.join(SIZE_SETS)}")
+
+
+# ----------------------------------------------------------------------------- models
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """One workload: a float32 jnp model, its Flax twin, a synthetic batch."""
+
+    name: str
+    title: str
+    init: Callable[[Any], Any]
+    apply: Callable[[Any, Any], Any]
+    flax_module: Callable[[Any], Any]  # compute dtype -> linen Module
+    batch: tuple[Any, Any]
+
+
+def make_spec(name: str, config: Any, batch_size: int) -> Spec:
+    """Builds one workload's models and synthetic batch.
+
+    Examples:
+      >>> from mixprec._src.cli.models import MLPConfig
+      >>> make_spec("mlp", MLPConfig(units=8), 4).batch[0].shape
+      (4, 784)
+    """
+    import functools as ft
+
+    import jax.numpy as jnp
+
+    from . import models
+
+    rng = np.random.default_rng(0)
+    b = batch_size
+    if name == "mlp":
+        batch = (
+            jnp.asarray(rng.random((b, config.in_features), np.float32)),
+            jnp.asarray(rng.integers(0, config.classes, b), jnp.int32),
+        )
+        return Spec(
+            name,
+            f"Keras-guide MLP {config.sizes}, batch {b}",
+            ft.partial(models.mlp_init, config=config),
+            models.mlp_apply,
+            ft.partial(models.flax_mlp, config),
+            batch,
+        )
+    if name == "lm":
+        tokens = rng.integers(0, config.vocab_size, (b, config.seq_len + 1))
+        tokens = tokens.astype(np.int32)
+        title = (
+            f"GPT-style LM, {config.num_layers} layers, d_model {config.d_model}, "
+            f"{config.num_heads} heads, context {config.seq_len}, vocab "
+            f"{config.vocab_size}, {config.num_params / 1e6:.1f} M params, batch {b}"
+        )
+        return Spec(
+            name,
+            title,
+            ft.partial(models.lm_init, config=config),
+            ft.partial(models.lm_apply, num_heads=config.num_heads),
+            ft.partial(models.flax_lm, config),
+            (jnp.asarray(tokens[:, :-1]), jnp.asarray(tokens[:, 1:])),
+        )
+    if name == "cnn":
+        shape = (b, config.image_size, config.image_size, config.in_channels)
+        batch = (
+            jnp.asarray(rng.random(shape, np.float32)),
+            jnp.asarray(rng.integers(0, config.classes, b), jnp.int32),
+        )
+        title = (
+            f"ResNet-style CNN, widths {'-'.join(map(str, config.widths))}, "
+            f"{config.blocks_per_stage} blocks/stage, {config.image_size}x"
+            f"{config.image_size}x{config.in_channels} images, batch {b}"
+        )
+        return Spec(
+            name,
+            title,
+            ft.partial(models.cnn_init, config=config),
+            models.cnn_apply,
+            ft.partial(models.flax_cnn, config),
+            batch,
+        )
+    raise CLIError(f"unknown workload {name!r}; valid: {', '.join(WORKLOADS)}")
+
+
+# ----------------------------------------------------------------------------- variants
+
+
+@dataclasses.dataclass
+class Variant:
+    """One (workload, precision, mechanism) training step and its measurements."""
+
+    workload: str
+    precision: str
+    mechanism: str
+    baseline: str  # label of the float32 variant of the same implementation
+    times_ms: list[float] = dataclasses.field(default_factory=list)
+    compile_s: float = math.nan
+    memory: dict[str, int | None] = dataclasses.field(default_factory=dict)
+    final_loss: float = math.nan
+    skipped_steps: int = 0
+    error: str | None = None
+    step: Any = None
+    state: Any = None
+    metrics: Any = None
+
+    @property
+    def label(self) -> str:
+        if self.precision == "float32":
+            return "float32" if self.mechanism == "float32" else "float32 (flax)"
+        return f"{self.precision} ({self.mechanism})"
+
+    @property
+    def median_ms(self) -> float:
+        return float(np.median(self.times_ms)) if self.times_ms else math.nan
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "workload": self.workload,
+            "label": self.label,
+            "precision": self.precision,
+            "mechanism": self.mechanism,
+            "times_ms": self.times_ms,
+            "median_ms": self.median_ms,
+            "min_ms": min(self.times_ms) if self.times_ms else math.nan,
+            "compile_s": self.compile_s,
+            "memory": self.memory,
+            "final_loss": self.final_loss,
+            "skipped_steps": self.skipped_steps,
+            "error": self.error,
+        }
+
+
+def _build(variant: Variant, spec: Spec) -> None:
+    """Compiles the variant's training step (sets ``step``, ``state``, memory)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import mixprec
+
+    from . import models, timing
+    from .demo import train
+
+    policy = (
+        None
+        if variant.precision == "float32"
+        else mixprec.get_policy(variant.precision)
+    )
+    key = jax.random.key(0)
+    fwd: Callable[[Any, Any], Any]
+    if variant.mechanism in ("flax", "flax-float32"):
+        dtype = jnp.float32 if policy is None else policy.compute_dtype
+        module = spec.flax_module(dtype)
+        params = module.init(key, spec.batch[0])
+
+        def flax_fwd(p: Any, x: Any) -> Any:
+            return module.apply(p, x)
+
+        fwd = flax_fwd
+    else:
+        params = spec.init(key)
+        if policy is None:
+            fwd = spec.apply
+        elif variant.mechanism == "manual":
+            pol = policy
+
+            def manual_fwd(p: Any, x: Any) -> Any:
+                out = spec.apply(pol.cast_to_compute(p), pol.cast_to_compute(x))
+                return pol.cast_to_output(out)
+
+            fwd = manual_fwd
+        elif variant.mechanism == "autocast":
+            fwd = mixprec.autocast(spec.apply, policy)
+        else:  # pragma: no cover - guarded by the CLI
+            raise CLIError(f"unknown mechanism {variant.mechanism!r}")
+
+    def loss_fn(p: Any, batch: Any) -> tuple[Any, Any]:
+        x, y = batch
+        return models.cross_entropy(fwd(p, x), y), None
+
+    ls = train.initial_loss_scale(variant.precision, period=2000)
+    step, state = train.make_step(loss_fn, params, optax.adam(1e-4), ls)
+    t0 = time.perf_counter()
+    compiled = jax.jit(step, donate_argnums=0).lower(state, spec.batch).compile()
+    variant.compile_s = time.perf_counter() - t0
+    variant.memory = timing.memory_analysis(compiled)
+    variant.memory["residual_bytes"] = timing.residual_bytes(
+        lambda p, b: loss_fn(p, b)[0], params, spec.batch
+    )
+    variant.step, variant.state = compiled, state
+
+
+def _steps_fn(variant: Variant, batch: Any, n: int) -> Callable[[], Any]:
+    """A function that runs ``n`` of the variant's steps back to back."""
+
+    def run() -> Any:
+        for _ in range(n):
+            variant.state, variant.metrics = variant.step(variant.state, batch)
+        return variant.state, variant.metrics
+
+    return run
+
+
+# ----------------------------------------------------------------------------- run
+
+
+def _log(enabled: bool, msg: str) -> None:
+    if enabled:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def run_bench(
+    *,
+    workloads: Sequence[str] = WORKLOADS,
+    precisions: Sequence[str] | None = None,
+    mechanisms: Sequence[str] = MECHANISMS,
+    size_set: str | None = None,
+    repeats: int = 5,
+    steps: int | None = None,
+    warmup: int = 2,
+    out: str | pathlib.Path = "mixprec-out/bench",
+    progress: bool = True,
+) -> int:
+    """Runs the benchmark; writes ``bench.json`` and ``bench.md``; prints the table.
+
+    Args:
+      workloads: from :data:`WORKLOADS`.
+      precisions: mixed precisions to compare with float32 (default: bfloat16 on
+        CPU, bfloat16 and float16 on GPU; float16 is not native on CPUs).
+      mechanisms: from :data:`MECHANISMS`.
+      size_set: ``"cpu"``, ``"gpu"`` or ``"tiny"`` (default: ``"cpu"``).
+      repeats: interleaved timing rounds.
+      steps: timed steps per variant per round (default: 5 on CPU, 20 on GPU).
+      warmup: untimed steps per variant after compiling.
+      out: output folder.
+      progress: log progress to stderr.
+
+    Returns:
+      0 when every variant ran.
+
+    Raises:
+      CLIError: a bad size set or workload, or variants that failed (raised after
+        the others' results are written).
+    """
+    import jax
+
+    from . import timing
+
+    size_set = size_set or "cpu"
+    configs = workload_configs(size_set)
+    if precisions is None:
+        precisions = (
+            ["mixed_bfloat16", "mixed_float16"]
+            if timing.on_gpu()
+            else ["mixed_bfloat16"]
+        )
+    if steps is None:
+        steps = 20 if timing.on_gpu() else 5
+    out_dir = pathlib.Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with_flax = "flax" in mechanisms
+
+    t_start = time.perf_counter()
+    specs: dict[str, Spec] = {}
+    variants: list[Variant] = []
+    for name in workloads:
+        if name not in configs:
+            raise CLIError(f"unknown workload {name!r}; valid: {', '.join(WORKLOADS)}")
+        specs[name] = make_spec(name, *configs[name])
+        variants.append(Variant(name, "float32", "float32", "float32"))
+        if with_flax:
+            variants.append(Variant(name, "float32", "flax-float32", "float32 (flax)"))
+        for precision in precisions:
+            for mech in mechanisms:
+                base = "float32 (flax)" if mech == "flax" else "float32"
+                variants.append(Variant(name, precision, mech, base))
+
+    for v in variants:
+        _log(progress, f"compiling {v.workload}: {v.label} ...")
+        try:
+            _build(v, specs[v.workload])
+            if warmup:
+                jax.block_until_ready(_steps_fn(v, specs[v.workload].batch, warmup)())
+        except Exception as e:  # a variant that fails is reported, not fatal
+            v.error = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            _log(progress, f"  failed: {v.error}")
+
+    live = [v for v in variants if v.error is None]
+    _log(progress, f"timing {len(live)} variants x {repeats} interleaved rounds")
+    times = timing.interleaved(
+        {
+            str(i): _steps_fn(v, specs[v.workload].batch, steps)
+            for i, v in enumerate(live)
+        },
+        rounds=repeats,
+    )
+    for i, v in enumerate(live):
+        v.times_ms = [1e3 * t / steps for t in times[str(i)]]
+        if v.metrics is not None:
+            m = jax.device_get(v.metrics)
+            v.final_loss = float(m["loss"])
+            if "num_skipped" in m:
+                v.skipped_steps = int(m["num_skipped"])
+
+    env = timing.environment()
+    meta = {
+        "date": env["date"],
+        "device": env["device"],
+        "jax": env["jax"],
+        "jaxlib": env["jaxlib"],
+        "mixprec": env["mixprec"],
+        "python": env["python"],
+        "machine": env["machine"],
+        "cpu": env["cpu_model"],
+        "cpu cores": env["cpu_count"],
+        "cpu flags": timing.flags_summary(env["cpu_flags"]),
+        "size set": size_set,
+        "repeats": repeats,
+        "timed steps per round": steps,
+        "warm-up steps": warmup,
+        "wall time (s)": round(time.perf_counter() - t_start, 1),
+    }
+    payload = {
+        "meta": meta,
+        "environment": env,
+        "workloads": {name: spec.title for name, spec in specs.items()},
+        "variants": [_with_ratios(v, variants) for v in variants],
+    }
+    (out_dir / "bench.json").write_text(json.dumps(payload, indent=2) + "\n")
+    md = markdown(payload)
+    (out_dir / "bench.md").write_text(md)
+    print(md)
+    print(f"wrote {out_dir / 'bench.json'} and {out_dir / 'bench.md'}")
+    failed = [v for v in variants if v.error is not None]
+    if failed:
+        raise CLIError(
+            f"{len(failed)} of {len(variants)} variants failed ("
+            + "; ".join(f"{v.workload} {v.label}: {v.error}" for v in failed)
+            + f"); the others are in {out_dir / 'bench.md'}"
+        )
+    return 0
+
+
+def _with_ratios(v: Variant, variants: Sequence[Variant]) -> dict[str, Any]:
+    from .timing import ratio
+
+    d = v.to_dict()
+    same = [w for w in variants if w.workload == v.workload and w.error is None]
+    f32 = next((w for w in same if w.label == "float32"), None)
+    base = next((w for w in same if w.label == v.baseline), None)
+    d["speedup_vs_float32"] = ratio(f32.median_ms, v.median_ms) if f32 else math.nan
+    d["speedup_vs_own_float32"] = (
+        ratio(base.median_ms, v.median_ms) if base else math.nan
+    )
+    return d
+
+
+def _fmt(x: Any, fmt: str) -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "n/a"
+    return format(x, fmt)
+
+
+def markdown(payload: dict[str, Any]) -> str:
+    """The benchmark's markdown report (one table, grouped by workload).
+
+    Examples:
+      >>> p = {"meta": {"device": "cpu"}, "workloads": {"mlp": "MLP"}, "variants": []}
+      >>> markdown(p).splitlines()[0]
+      '# mixprec bench'
+    """
+    mib = 1024.0 * 1024.0
+    lines = ["# mixprec bench", ""]
+    lines += [f"- {k}: {v}" for k, v in payload["meta"].items()]
+    lines += [""]
+    lines += [f"- **{k}**: {v}" for k, v in payload["workloads"].items()]
+    lines += [
+        "",
+        "| workload | variant | ms/step (median) | min | vs float32 | vs own float32 "
+        "| XLA temp MiB | saved-for-bwd MiB | compile s | skipped steps |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for v in payload["variants"]:
+        if v["error"]:
+            lines.append(
+                f"| {v['workload']} | {v['label']} | failed: {v['error']} "
+                + "| " * 7
+                + "|"
+            )
+            continue
+        temp = v["memory"].get("temp_bytes")
+        res = v["memory"].get("residual_bytes")
+        lines.append(
+            f"| {v['workload']} | {v['label']} | {_fmt(v['median_ms'], '.2f')} "
+            f"| {_fmt(v['min_ms'], '.2f')} "
+            f"| {_fmt(v['speedup_vs_float32'], '.2f')}x "
+            f"| {_fmt(v['speedup_vs_own_float32'], '.2f')}x "
+            f"| {_fmt(temp / mib if temp is not None else None, '.1f')} "
+            f"| {_fmt(res / mib if res is not None else None, '.1f')} "
+            f"| {_fmt(v['compile_s'], '.1f')} | {v['skipped_steps']} |"
+        )
+    lines += [
+        "",
+        "vs float32: the plain float32 model's median step time / this one's (>1 is "
+        "faster). vs own float32: the same against the float32 run of the same "
+        "implementation (Flax rows against Flax float32). Full training steps (loss-"
+        "scaled gradients + Adam), interleaved rounds, warm-up and compilation "
+        "excluded. skipped steps: non-finite steps (float16) over warm-up and timing; "
+        "a variant that skips every step is not training, whatever its speed.",
+    ]
+    return "\n".join(lines) + "\n"
