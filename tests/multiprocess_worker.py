@@ -66,6 +66,8 @@ def main(argv=None):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(
             coordinator_address=f"127.0.0.1:{args.port}",
+            # JAX's default is every interface ([::]); this job is local.
+            coordinator_bind_address=f"127.0.0.1:{args.port}",
             num_processes=args.num_processes,
             process_id=args.process_id,
             initialization_timeout=60,

@@ -77,7 +77,7 @@ def _run(phase: str, out: Path, num_processes: int, *, attempts: int = 2) -> lis
                 for pid in range(num_processes)
             ]
         tails = [_tail(log) for log in logs]
-        if attempt + 1 < attempts and any("ddress already in use" in t for t in tails):
+        if attempt + 1 < attempts and any("Failed to add port" in t for t in tails):
             continue  # the free port was taken before the coordinator bound it
         report = "\n".join(
             f"--- process {pid} (exit code {c}; killed if negative) ---\n{t}"
