@@ -54,6 +54,7 @@ from ._src.numerics.explain import (
 )
 from ._src.policy import (
     Policy as Policy,
+    dtype_to_names as dtype_to_names,
     get_global_policy as get_global_policy,
     get_policy as get_policy,
     policy_scope as policy_scope,

@@ -5,6 +5,8 @@ real `jmp` package, which dm-haiku depends on). Where JMP has a known bug, the
 test pins mixprec's fixed behaviour and says what JMP does.
 """
 
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -128,6 +130,52 @@ def test_all_finite_and_select_tree_match_jmp():
             mixprec.select_tree(jnp.array(pred), a, b)["x"],
             jmp_real.select_tree(jnp.array(pred), a, b)["x"],
         )
+
+
+def test_str_names_agree_with_jmp():
+    # `dtype_to_names` is not in JMP's top-level namespace; its tests import it
+    # from `jmp._src.policy`.
+    jmp_names = importlib.import_module("jmp._src.policy").dtype_to_names
+    for dtype in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64):
+        assert set(mixprec.dtype_to_names[dtype]) == set(jmp_names[dtype])
+        policy = mixprec.Policy(dtype, dtype, dtype)
+        # JMP parses mixprec's strings and the reverse.
+        assert jnp.dtype(jmp_real.get_policy(str(policy)).compute_dtype) == dtype
+        theirs = str(jmp_real.Policy(dtype, dtype, dtype))
+        assert mixprec.get_policy(theirs) == policy
+
+
+def test_static_loss_scale_leaves_like_jmp():
+    for scale in (0, 2.0, jnp.float32(4.0)):
+        ours, theirs = mixprec.StaticLossScale(scale), jmp_real.StaticLossScale(scale)
+        assert jax.tree.leaves(ours) == jax.tree.leaves(theirs) == []
+        x = jnp.array([1.5, -2.0])
+        np.testing.assert_array_equal(ours.scale(x), theirs.scale(x))
+
+
+def test_errors_jmp_code_catches():
+    for lib in (jmp_real, mixprec):
+        with pytest.raises(AssertionError, match="expected boolean scalar"):
+            lib.select_tree(jnp.ones([2], jnp.bool_), None, None)
+        with pytest.raises(AssertionError, match="expected boolean scalar"):
+            lib.select_tree(jnp.ones([]), None, None)
+        with pytest.raises(ValueError, match="Unknown dtype"):
+            lib.get_policy("compute_float16")
+        for argname in ("loss_scale", "min_loss_scale"):
+            with pytest.warns(UserWarning, match=f"floating type for {argname}"):
+                lib.DynamicLossScale(
+                    **{"loss_scale": jnp.float32(2.0), argname: jnp.int32(1)}
+                )
+
+
+def test_integral_float_period_and_zero_floor_like_jmp():
+    init, flags = jnp.float32(10), [True] * 7 + [False] * 3 + [True] * 5
+    ours = mixprec.DynamicLossScale(init, jnp.int32(0), 5.0, 2.0, jnp.asarray(0.0))
+    theirs = jmp_real.DynamicLossScale(init, jnp.int32(0), 5.0, 2.0, jnp.asarray(0.0))
+    for finite in flags:
+        ours, theirs = ours.adjust(jnp.array(finite)), theirs.adjust(jnp.array(finite))
+        assert float(ours.loss_scale) == float(theirs.loss_scale)
+        assert int(ours.counter) == int(theirs.counter)
 
 
 # ---- JMP's bugs, fixed -------------------------------------------------------

@@ -210,6 +210,18 @@ def test_pytree_leaves_are_jmp_layout_and_config_survives():
     assert mapped.adjust(False).adjust(False).min_loss_scale == 0.5
 
 
+def test_zero_floor_stops_at_the_smallest_normal_float32_and_grows_back():
+    # JMP lets a floor of 0 take the scale to 0, where it stays (0 * 2 = 0).
+    tiny = float(np.finfo(np.float32).tiny)
+    ls = DynamicLossScale(1.0, period=1, min_loss_scale=0.0)
+    adjust = jax.jit(lambda s, f: s.adjust(f))
+    for _ in range(200):
+        ls = adjust(ls, jnp.array(False))
+    assert float(ls.loss_scale) == tiny
+    ls = adjust(ls, jnp.array(True))
+    assert float(ls.loss_scale) == 2 * tiny
+
+
 def test_min_loss_scale_enforced_after_jit():
     ls = jax.jit(lambda s: s)(DynamicLossScale(1.0, min_loss_scale=0.25))
     for _ in range(6):
@@ -248,13 +260,35 @@ def test_float16_loss_scale_works():
     assert float(ls.loss_scale) == 2048.0 and ls.loss_scale.dtype == jnp.float32
 
 
-def test_static_loss_scale_is_float32_leaf():
+def test_static_loss_scale_is_static_float32():
+    # As in JMP the scale is static configuration: no leaves, part of the treedef.
     ls = StaticLossScale(jnp.float16(8.0))
-    assert ls.loss_scale.dtype == jnp.float32
-    assert jax.tree.leaves(ls) == [ls.loss_scale]
+    assert type(ls.loss_scale) is np.float32 and ls.loss_scale == 8.0
+    assert jax.tree.leaves(ls) == []
     assert ls.adjust(jnp.array(False)) is ls
-    out = jax.jit(lambda s, x: s.scale(x))(ls, jnp.ones(2))
+    assert hash(ls) == hash(StaticLossScale(8)) and ls == StaticLossScale(8.0)
+    assert jax.tree.structure(ls) != jax.tree.structure(StaticLossScale(4.0))
+    scale = jax.jit(lambda s, x: s.scale(x))
+    out = scale(ls, jnp.ones(2, jnp.float16))
+    assert out.dtype == jnp.float16
     np.testing.assert_array_equal(out, 8.0)
+    # A different scale is a different static value: the jitted step sees it.
+    np.testing.assert_array_equal(scale(StaticLossScale(0.5), jnp.ones(2)), 0.5)
+    assert jax.jit(lambda s: s)(ls) == ls
+
+
+def test_static_loss_scale_of_zero_is_a_placeholder():
+    # JMP's own tests build `StaticLossScale(0)`; it cannot unscale.
+    ls = StaticLossScale(0)
+    assert jax.tree.leaves(ls) == [] and ls.loss_scale == 0.0
+    np.testing.assert_array_equal(ls.scale(jnp.ones(2)), [0.0, 0.0])
+    with pytest.raises(ValueError, match=r"StaticLossScale\(0\).unscale.*scale > 0"):
+        ls.unscale(jnp.ones(2))
+
+
+def test_static_loss_scale_rejects_traced_scale():
+    with pytest.raises(TypeError, match="concrete number.*DynamicLossScale"):
+        jax.jit(lambda s: StaticLossScale(s).scale(jnp.ones(2)))(jnp.float32(2.0))
 
 
 def test_noop_has_no_leaves_and_scale_one():
@@ -277,7 +311,10 @@ def test_noop_has_no_leaves_and_scale_one():
         (dict(loss_scale=1.0, period=2.5), TypeError, r"period=.*integer"),
         (dict(loss_scale=1.0, factor=1), ValueError, r"factor=.*> 1"),
         (dict(loss_scale=1.0, factor=0.5), ValueError, r"factor=.*> 1"),
-        (dict(loss_scale=1.0, min_loss_scale=0.0), ValueError, r"min_loss_scale"),
+        (dict(loss_scale=1.0, min_loss_scale=-1.0), ValueError, r"min_loss_scale"),
+        (dict(loss_scale=1.0, period=float("inf")), TypeError, r"period=.*integer"),
+        (dict(loss_scale=True), TypeError, r"loss_scale=.*number"),
+        (dict(loss_scale=1e39), ValueError, r"finite as a float32"),
         (dict(loss_scale=1.0, growth_factor=1.0), ValueError, r"growth_factor"),
         (
             dict(loss_scale=1.0, backoff_factor=1.5),
@@ -298,9 +335,21 @@ def test_dynamic_bad_input(kwargs, exc, match):
         DynamicLossScale(**kwargs)
 
 
-@pytest.mark.parametrize("bad", [-2.0, 0, float("nan")])
-def test_static_bad_input(bad):
-    with pytest.raises(ValueError, match="StaticLossScale"):
+@pytest.mark.parametrize(
+    "bad,exc",
+    [
+        (-2.0, ValueError),
+        (float("nan"), ValueError),
+        (float("inf"), ValueError),
+        (1e39, ValueError),  # inf as a float32
+        (np.ones(2), ValueError),
+        (True, TypeError),
+        ("2.0", TypeError),
+        (1j, TypeError),
+    ],
+)
+def test_static_bad_input(bad, exc):
+    with pytest.raises(exc, match=r"`StaticLossScale\(loss_scale=...\)` must be"):
         StaticLossScale(bad)
 
 

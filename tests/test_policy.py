@@ -49,13 +49,13 @@ def test_half_resolves_to_half_dtype():
 @pytest.mark.parametrize(
     "spec,match",
     [
-        ("p=f33", r"unknown dtype name 'f33'.*Valid names are"),
-        ("x=f32", r"unknown key 'x'.*Valid keys are 'c', 'compute'"),
+        ("p=f33", r"Unknown dtype 'f33'.*Valid names are"),
+        ("x=f32", r"Unknown key 'x'.*Valid keys are 'c', 'compute'"),
         ("compte=bf16", r"Did you mean 'compute'"),
         ("mixed_bfloat61", r"Did you mean 'mixed_bfloat16'"),
         ("p=f32,p=bf16", r"param dtype is given twice"),
         ("p=f32=bf16", r"key=dtype"),
-        ("int32", r"unknown dtype name"),
+        ("int32", r"Unknown dtype 'int32'"),
     ],
 )
 def test_get_policy_errors_name_the_token(spec, match):
@@ -211,7 +211,7 @@ def test_set_global_policy():
             assert mixprec.get_global_policy() == get_policy("f32")
     finally:
         mixprec.set_global_policy("float32")
-    with pytest.raises(ValueError, match="unknown dtype"):
+    with pytest.raises(ValueError, match="Unknown dtype"):
         mixprec.set_global_policy("mixed_float61")
 
 

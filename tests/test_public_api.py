@@ -8,6 +8,7 @@ import mixprec
 EXPECTED = {
     # core
     "Policy",
+    "dtype_to_names",
     "get_policy",
     "get_global_policy",
     "set_global_policy",

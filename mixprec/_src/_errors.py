@@ -26,3 +26,26 @@ def format_choices(choices: Iterable[str]) -> str:
         "'a', 'b'"
     """
     return ", ".join(repr(c) for c in sorted(choices))
+
+
+class AssertValueError(ValueError, AssertionError):
+    """A ``ValueError`` that is also an ``AssertionError``.
+
+    JMP checked some arguments with ``assert``, so code written for JMP catches
+    ``AssertionError`` where mixprec raises a ``ValueError``; this type
+    satisfies both.
+
+    Examples:
+        >>> isinstance(AssertValueError("x"), (ValueError, AssertionError))
+        True
+    """
+
+
+class AssertTypeError(TypeError, AssertionError):
+    """A ``TypeError`` that is also an ``AssertionError`` (see
+    :class:`AssertValueError`).
+
+    Examples:
+        >>> issubclass(AssertTypeError, AssertionError)
+        True
+    """

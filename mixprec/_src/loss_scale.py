@@ -6,14 +6,16 @@ scale: it backs off when gradients overflow and grows again after a run of
 finite steps.
 
 All loss scales are registered dataclass pytrees. Their configuration (period,
-factors, bounds) is static metadata, so it survives ``jit``, ``tree_map``,
-``lax.scan`` and checkpoint round trips; the leaves are only the scale and its
-counters. (JMP hand-writes its flattening and loses ``min_loss_scale``.)
+factors, bounds, and a static scale's value, as in JMP) is static metadata, so
+it survives ``jit``, ``tree_map``, ``lax.scan`` and checkpoint round trips; the
+leaves are only a dynamic scale and its counters. (JMP hand-writes its
+flattening and loses ``min_loss_scale``.)
 """
 
 import abc
 import dataclasses
 import math
+import warnings
 from typing import Any, ClassVar, TypeVar
 
 import jax
@@ -21,11 +23,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
+from ._errors import AssertTypeError, AssertValueError
 from .casting import is_floating_array
 
 
 T = TypeVar("T")
 _F32_MAX = float(np.finfo(np.float32).max)
+# The lowest a dynamic scale backs off to, whatever `min_loss_scale` says: a
+# scale of 0 never grows back (0 * growth = 0) and makes every gradient NaN.
+_F32_TINY = float(np.finfo(np.float32).tiny)
 
 
 def _is_host_value(x: Any) -> bool:
@@ -37,8 +43,30 @@ def _is_host_value(x: Any) -> bool:
     )
 
 
+def _is_integer(x: Any) -> bool:
+    if isinstance(x, bool):
+        return False
+    if isinstance(x, int):
+        return True
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and bool(jnp.issubdtype(dtype, jnp.integer))
+
+
+def _warn_if_not_floating(x: Any, *, argname: str, cls: str) -> None:
+    # JMP warns here, in the same words; its tests look for them.
+    if _is_integer(x):
+        got = getattr(x, "dtype", type(x).__name__)
+        warnings.warn(
+            f"Expected floating type for {argname}, got {got}. `{cls}` stores it "
+            f"as float32; pass a float (e.g. `{argname}=2.0**15`) to silence this.",
+            stacklevel=4,  # the caller of the dataclass __init__
+        )
+
+
 def _as_scale(x: Any, *, argname: str, cls: str) -> Any:
     """Validates a host value and stores every real value as float32."""
+    if isinstance(x, bool) or getattr(x, "dtype", None) == np.bool_:
+        raise TypeError(f"`{cls}({argname}=...)` must be a number, got {x!r}.")
     if _is_host_value(x):
         arr = np.asarray(x)
         if arr.shape != ():
@@ -46,9 +74,10 @@ def _as_scale(x: Any, *, argname: str, cls: str) -> Any:
                 f"`{cls}({argname}=...)` must be a scalar, got shape {arr.shape}."
             )
         value = float(arr)
-        if not math.isfinite(value) or value <= 0:
+        if not math.isfinite(value) or value <= 0 or value > _F32_MAX:
             raise ValueError(
-                f"`{cls}({argname}=...)` must be a finite number > 0, got {value}."
+                f"`{cls}({argname}=...)` must be a finite number > 0 (and finite "
+                f"as a float32), got {value}."
             )
         return jnp.asarray(value, jnp.float32)
     if isinstance(x, jax.Array) and x.dtype != jnp.float32:
@@ -72,7 +101,7 @@ def _as_counter(x: Any, *, argname: str, cls: str) -> Any:
 def _check_finite_flag(grads_finite: ArrayLike, cls: str) -> jax.Array:
     shape = np.shape(grads_finite)
     if shape != ():
-        raise ValueError(
+        raise AssertValueError(  # JMP asserts here
             f"`{cls}.adjust(grads_finite)` must be a scalar boolean (e.g. from "
             f"`mixprec.all_finite(grads)`), got shape {shape}."
         )
@@ -239,22 +268,52 @@ class NoOpLossScale(LossScale):
 class StaticLossScale(LossScale):
     """A fixed loss scale.
 
+    The scale is static configuration, as in JMP: it is pytree metadata, not a
+    leaf, so a ``StaticLossScale`` has no leaves, ``jit`` bakes the scale into
+    the compiled step (a different scale compiles a new step), and a checkpoint
+    restores it from the ``target`` it is restored into.
+
     Args:
-        loss_scale: the scale, a finite number > 0 (stored as float32).
+        loss_scale: the scale, a concrete finite number >= 0, stored as a
+            float32 NumPy scalar. 0 is accepted as JMP accepts it (its tests
+            build ``StaticLossScale(0)`` as a placeholder), but such a scale
+            cannot ``unscale``.
+
+    Raises:
+        ValueError: if the scale is negative, not finite or not a scalar.
+        TypeError: if the scale is not a number, or is traced (built inside
+            ``jit`` from a traced value).
 
     Examples:
         >>> ls = StaticLossScale(2.0**10)
         >>> ls.unscale(ls.scale(jnp.float32(0.5)))
         Array(0.5, dtype=float32)
-        >>> jax.tree.leaves(ls)
-        [Array(1024., dtype=float32)]
+        >>> ls.loss_scale, jax.tree.leaves(ls)
+        (np.float32(1024.0), [])
     """
 
-    loss_scale: ArrayLike
+    loss_scale: ArrayLike = dataclasses.field(metadata=dict(static=True))
 
     def __post_init__(self):
-        scale = _as_scale(self.loss_scale, argname="loss_scale", cls="StaticLossScale")
-        object.__setattr__(self, "loss_scale", scale)
+        object.__setattr__(self, "loss_scale", _as_static_scale(self.loss_scale))
+
+    def unscale(self, tree: T) -> T:
+        """Divides the floating leaves of ``tree`` by the scale, keeping dtypes.
+
+        Raises:
+            ValueError: if the scale is 0.
+
+        Examples:
+            >>> StaticLossScale(4.0).unscale({"g": jnp.ones(2, jnp.bfloat16)})
+            {'g': Array([0.25, 0.25], dtype=bfloat16)}
+        """
+        if self.loss_scale == 0:
+            raise ValueError(
+                "`StaticLossScale(0).unscale(tree)`: cannot divide by a loss scale "
+                "of 0. A zero scale is accepted only as a placeholder; train with "
+                "a scale > 0."
+            )
+        return super().unscale(tree)
 
     def adjust(self, grads_finite: ArrayLike) -> "StaticLossScale":
         """Returns ``self``: a static scale never changes.
@@ -266,6 +325,34 @@ class StaticLossScale(LossScale):
         """
         _check_finite_flag(grads_finite, "StaticLossScale")
         return self
+
+
+def _as_static_scale(x: Any) -> np.float32:
+    """Validates a static scale and returns it as a hashable float32 scalar."""
+    call = "`StaticLossScale(loss_scale=...)`"
+    try:
+        arr = np.asarray(x)
+    except jax.errors.TracerArrayConversionError:
+        raise TypeError(
+            f"{call} must be a concrete number, got a traced value. The scale of a "
+            "`StaticLossScale` is static configuration (not a pytree leaf), so "
+            "build it outside `jit`; a scale that changes inside `jit` is a "
+            "`DynamicLossScale`."
+        ) from None
+    real = jnp.issubdtype(arr.dtype, jnp.floating) or jnp.issubdtype(
+        arr.dtype, jnp.integer
+    )
+    if not real:
+        raise TypeError(f"{call} must be a real number, got {x!r}.")
+    if arr.shape != ():
+        raise ValueError(f"{call} must be a scalar, got shape {arr.shape}.")
+    value = float(arr)
+    if not math.isfinite(value) or value < 0 or value > _F32_MAX:
+        raise ValueError(
+            f"{call} must be a finite number >= 0 (and finite as a float32), got "
+            f"{value}."
+        )
+    return np.float32(value)
 
 
 def _static(default: Any) -> Any:
@@ -291,12 +378,16 @@ class DynamicLossScale(LossScale):
 
     Args:
         loss_scale: the initial scale, a finite number > 0. Stored as float32
-            whatever the compute dtype (a float16 scale is accepted).
+            whatever the compute dtype (a float16 scale is accepted; an
+            integer one too, with JMP's warning).
         counter: consecutive finite steps so far (``0 <= counter < period``).
-        period: finite steps between two growths (``>= 1``).
+        period: finite steps between two growths (``>= 1``; an integral float
+            such as ``5.0`` is accepted, as in JMP).
         factor: JMP's single factor: grow by ``factor``, back off by
             ``1 / factor`` (``> 1``).
-        min_loss_scale: the scale never backs off below this (``> 0``).
+        min_loss_scale: the scale never backs off below this (``>= 0``). 0
+            means no floor, as in JMP, except that the scale stops at the
+            smallest normal float32 (a scale of 0 could never grow back).
         growth_factor: overrides the growth multiplier (``> 1``; PyTorch's
             ``growth_factor``).
         backoff_factor: overrides the backoff multiplier (``0 < b < 1``;
@@ -334,15 +425,24 @@ class DynamicLossScale(LossScale):
     def __post_init__(self):
         cls = "DynamicLossScale"
         set_ = _setter(self)
+        _warn_if_not_floating(self.loss_scale, argname="loss_scale", cls=cls)
+        _warn_if_not_floating(self.min_loss_scale, argname="min_loss_scale", cls=cls)
         set_("loss_scale", _as_scale(self.loss_scale, argname="loss_scale", cls=cls))
         set_("counter", _as_counter(self.counter, argname="counter", cls=cls))
         # Static fields are Python values: always checked, and normalised so
         # that equal configurations hash equally (jit caches on them).
-        if isinstance(self.min_loss_scale, (np.ndarray, np.generic, jax.Array)):
+        floor = self.min_loss_scale
+        if not isinstance(floor, bool) and isinstance(
+            floor, (int, np.ndarray, np.generic, jax.Array)
+        ):
             set_("min_loss_scale", float(np.asarray(self.min_loss_scale)))
+        if isinstance(self.period, (float, np.number)) and float(self.period) % 1 == 0:
+            set_("period", int(self.period))  # JMP accepts `period=5.0`
         _check_number(self.period, "period", cls, integer=True, minimum=1)
         _check_number(self.factor, "factor", cls, greater_than=1)
-        _check_number(self.min_loss_scale, "min_loss_scale", cls, greater_than=0)
+        # 0 means no floor (JMP allows it); `adjust` still stops at the
+        # smallest normal float32.
+        _check_number(self.min_loss_scale, "min_loss_scale", cls, minimum=0)
         if self.growth_factor is not None:
             _check_number(self.growth_factor, "growth_factor", cls, greater_than=1)
         if self.backoff_factor is not None:
@@ -431,7 +531,8 @@ class DynamicLossScale(LossScale):
         grow_now = counter == self.period - 1
         after_finite = jnp.where(grow_now, grown, scale)
         backed_off = jnp.maximum(
-            scale * jnp.float32(self.backoff), jnp.float32(self.min_loss_scale)
+            scale * jnp.float32(self.backoff),
+            jnp.float32(max(self.min_loss_scale, _F32_TINY)),
         )
 
         nonfinite_counter = self.nonfinite_counter
@@ -534,19 +635,24 @@ def select_tree(pred: ArrayLike, a: T, b: T) -> T:
         ValueError: if ``pred`` is not a scalar or the structures differ.
         TypeError: if ``pred`` is not a boolean.
 
+        Both errors about ``pred`` are also an ``AssertionError`` and say
+        "expected boolean scalar", as JMP's ``assert`` did, so code written
+        for JMP that catches them keeps working.
+
     Examples:
         >>> select_tree(jnp.array(False), {"w": jnp.ones(2)}, {"w": jnp.zeros(2)})
         {'w': Array([0., 0.], dtype=float32)}
     """
     if np.shape(pred) != ():
-        raise ValueError(
-            f"`select_tree(pred, ...)` must be a scalar boolean, got shape "
-            f"{np.shape(pred)}."
+        raise AssertValueError(
+            f"`select_tree(pred, a, b)`: expected boolean scalar `pred` (e.g. "
+            f"`mixprec.all_finite(grads)`), got shape {np.shape(pred)}."
         )
     pred = jnp.asarray(pred)
     if pred.dtype != jnp.bool_:
-        raise TypeError(
-            f"`select_tree(pred, ...)` must be a boolean, got dtype {pred.dtype}."
+        raise AssertTypeError(
+            f"`select_tree(pred, a, b)`: expected boolean scalar `pred` (e.g. "
+            f"`mixprec.all_finite(grads)`), got dtype {pred.dtype}."
         )
     a_def, b_def = jax.tree.structure(a), jax.tree.structure(b)
     if a_def != b_def:

@@ -9,7 +9,7 @@ JMP's strings (``"p=f32,c=bf16,o=f32"``) and Keras's names
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TypeVar
 
 import jax.numpy as jnp
@@ -22,25 +22,60 @@ from ._errors import format_choices, suggest
 
 T = TypeVar("T")
 
-# JMP's dtype names. "half" is resolved when parsed (it depends on the backend).
-_DTYPE_NAMES: dict[str, DTypeLike] = {
-    "full": jnp.float32,
-    "f32": jnp.float32,
-    "float32": jnp.float32,
-    "half": "half",
-    "f16": jnp.float16,
-    "float16": jnp.float16,
-    "bf16": jnp.bfloat16,
-    "bfloat16": jnp.bfloat16,
-    "f64": jnp.float64,
-    "float64": jnp.float64,
+
+class _DtypeNames(Mapping[np.dtype, tuple[str, ...]]):
+    """The names of each policy dtype; the first is the one ``str(Policy)`` writes.
+
+    JMP's ``dtype_to_names``, keyed so that any form of a dtype finds its
+    names: ``np.float16``, ``jnp.float16``, ``np.dtype("float16")`` and
+    ``"float16"`` are one key (JMP's table is keyed by scalar types, so
+    ``np.dtype`` keys raise ``KeyError``). float32 is written ``f32``; JMP
+    writes ``full``. Both parse.
+
+    Examples:
+        >>> import jax.numpy as jnp, numpy as np
+        >>> dtype_to_names[jnp.float32]
+        ('f32', 'full', 'float32')
+        >>> dtype_to_names[np.dtype("bfloat16")] == dtype_to_names[jnp.bfloat16]
+        True
+        >>> np.int32 in dtype_to_names
+        False
+    """
+
+    def __init__(self, names: dict[DTypeLike, tuple[str, ...]]):
+        self._names = {np.dtype(jnp.dtype(k)): v for k, v in names.items()}
+
+    def __getitem__(self, dtype: DTypeLike) -> tuple[str, ...]:
+        try:
+            key = np.dtype(jnp.dtype(dtype))
+        except (TypeError, ValueError):
+            raise KeyError(dtype) from None
+        return self._names[key]
+
+    def __iter__(self) -> Iterator[np.dtype]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __repr__(self) -> str:
+        return f"dtype_to_names({self._names!r})"
+
+
+dtype_to_names = _DtypeNames(
+    {
+        jnp.bfloat16: ("bf16", "bfloat16"),
+        jnp.float16: ("f16", "float16"),
+        jnp.float32: ("f32", "full", "float32"),
+        jnp.float64: ("f64", "float64"),
+    }
+)
+# Every name a policy string may use. "half" is resolved when parsed (it
+# depends on the backend).
+_DTYPE_NAMES: dict[str, DTypeLike | str] = {
+    name: dtype for dtype, names in dtype_to_names.items() for name in names
 }
-_SHORT_NAMES = {
-    np.dtype(jnp.float32): "f32",
-    np.dtype(jnp.float16): "f16",
-    np.dtype(jnp.bfloat16): "bf16",
-    np.dtype(jnp.float64): "f64",
-}
+_DTYPE_NAMES["half"] = "half"
 # Keras names: "mixed_*" keeps float32 master weights and float32 outputs.
 _KERAS_POLICIES = {
     "mixed_float16": ("float32", "float16", "float32"),
@@ -67,12 +102,12 @@ def _parse_dtype(name: str, *, spec: str, whole: bool = False) -> np.dtype:
         except TypeError:
             pass
         raise ValueError(
-            f"`get_policy({spec!r})`: unknown dtype name {name.strip()!r}."
+            f"`get_policy({spec!r})`: Unknown dtype {name.strip()!r}."
             f"{suggest(key, valid)} Valid names are {format_choices(valid)}, "
             "or any floating dtype name."
         )
     value = _DTYPE_NAMES[key]
-    if value == "half":
+    if isinstance(value, str):  # "half" (`np.dtype("float16") == "half"` is True)
         return casting.half_dtype()
     return np.dtype(jnp.dtype(value))
 
@@ -180,7 +215,7 @@ class Policy:
 
     def __str__(self) -> str:
         def name(dtype: np.dtype) -> str:
-            return _SHORT_NAMES.get(dtype, dtype.name)
+            return dtype_to_names.get(dtype, (dtype.name,))[0]
 
         return (
             f"p={name(self.param_dtype)},c={name(self.compute_dtype)},"
@@ -245,7 +280,7 @@ def get_policy(spec: "str | Policy") -> Policy:
         key, value = (s.strip().lower() for s in part.split("="))
         if key not in _KEYS:
             raise ValueError(
-                f"`get_policy({spec!r})`: unknown key {key!r}.{suggest(key, _KEYS)} "
+                f"`get_policy({spec!r})`: Unknown key {key!r}.{suggest(key, _KEYS)} "
                 f"Valid keys are {format_choices(_KEYS)}."
             )
         if _KEYS[key] in dtypes:
