@@ -121,3 +121,77 @@ def test_sharded_target_restores_sharded(tmp_path):
     mpk.save(tmp_path / "s", {"x": x})
     out = mpk.restore(tmp_path / "s", {"x": x}, dtype=jnp.bfloat16)
     assert out["x"].sharding == sharding and out["x"].dtype == jnp.bfloat16
+
+
+# ---- restoring into float16 ---------------------------------------------------
+
+
+def _f16_loss(params, x, y):
+    pred = x.astype(jnp.float16) @ params["w"].astype(jnp.float16)
+    return jnp.mean((pred.astype(jnp.float32) - y) ** 2)
+
+
+@pytest.mark.standard_promotion  # optax's momentum update
+@pytest.mark.parametrize("low", [jnp.float16, jnp.bfloat16])
+def test_restore_whole_state_into_low_precision_keeps_the_loss_scale(tmp_path, low):
+    # TF1's recipe: a float32 checkpoint restored into a low-precision model.
+    # 65536 is inf in float16: the scale and its counters must not be cast.
+    opt = mpo.loss_scaled(
+        optax.sgd(0.01, momentum=0.9), mixprec.DynamicLossScale(2.0**16, period=3)
+    )
+    x, y = _data()
+    y = y / 64  # small residuals: 2**16 times the loss fits float16's backward
+    params = {"w": jnp.zeros((8, 2))}
+    state = {"params": params, "opt": opt.init(params), "step": jnp.int32(5)}
+    mpk.save(tmp_path / "c", state)
+    out = mpk.restore(tmp_path / "c", state, dtype=low)
+    ls = out["opt"].loss_scale
+    assert ls.loss_scale.dtype == jnp.float32 and float(ls.loss_scale) == 2.0**16
+    assert ls.counter.dtype == jnp.int32 and ls.period == 3
+    assert out["opt"].num_skipped.dtype == jnp.int32
+    assert out["step"].dtype == jnp.int32 and int(out["step"]) == 5
+    assert_tree_dtypes(out["params"], low)
+    assert_tree_dtypes(out["opt"].inner_state, low)
+    # And it trains: no step is skipped, the scale stays finite.
+    p, s = out["params"], out["opt"]
+    loss0 = float(_f16_loss(p, x, y))
+    for _ in range(4):
+        _, g, _ = mixprec.value_and_grad(_f16_loss)(p, x, y, loss_scale=s)
+        u, s = opt.update(g, s, p)
+        p = optax.apply_updates(p, u)
+    assert int(s.num_skipped) == 0 and float(s.loss_scale.loss_scale) == 2.0**17
+    assert float(_f16_loss(p, x, y)) < loss0
+
+
+def test_restore_overflow_names_the_path_and_value(tmp_path):
+    state = {
+        "params": {"w": jnp.array([1.0, 70144.0, -1e6, jnp.inf]), "b": jnp.ones(2)},
+        "scale": mixprec.DynamicLossScale(2.0**16),
+    }
+    mpk.save(tmp_path / "c", state)
+    msg = (
+        r"(?s)'params/w': 70144\.0 at index \(1,\) does not fit in float16 "
+        r"\(largest 65504\); 2 value\(s\).*saturate=True"
+    )
+    with pytest.raises(ValueError, match=msg):
+        mpk.restore(tmp_path / "c", state, dtype=jnp.float16)
+    # The same through a float16 target instead of `dtype=`.
+    with pytest.raises(ValueError, match=msg):
+        mpk.restore(tmp_path / "c", mixprec.cast_tree(state, jnp.float16))
+    # Nothing changed: the checkpoint restores as saved into float32.
+    back = mpk.restore(tmp_path / "c", state)
+    np.testing.assert_array_equal(back["params"]["w"], state["params"]["w"])
+    # Saturating is explicit; an inf that was saved stays inf.
+    out = mpk.restore(tmp_path / "c", state, dtype=jnp.float16, saturate=True)
+    assert out["params"]["w"].dtype == jnp.float16
+    np.testing.assert_array_equal(
+        out["params"]["w"], np.array([1.0, 65504.0, -65504.0, np.inf], np.float16)
+    )
+    assert float(out["scale"].loss_scale) == 2.0**16
+    # bfloat16 has float32's exponent range: the same values fit ...
+    out = mpk.restore(tmp_path / "c", state, dtype=jnp.bfloat16)
+    assert float(out["params"]["w"][1]) == 70144.0
+    # ... up to rounding at the very top.
+    mpk.save(tmp_path / "top", {"x": jnp.array([np.finfo(np.float32).max])})
+    with pytest.raises(ValueError, match=r"'x': 3\.40282\d*e\+38 .*bfloat16"):
+        mpk.restore(tmp_path / "top", {"x": jnp.zeros(1)}, dtype=jnp.bfloat16)
