@@ -9,6 +9,12 @@ counters) stay integers, and a loss scale's state is never cast (2**16 is inf
 in float16). A value too large for the dtype it is restored into is an error,
 not a silent inf.
 
+A save never destroys the previous checkpoint before the new one is complete:
+orbax writes into a temporary directory and renames it when done, and
+``save(..., force=True)`` writes the replacement beside the old checkpoint and
+swaps the two only then. A save killed midway leaves the previous checkpoint
+restorable; `restore` detects what the unfinished save left behind.
+
 The tree is stored as nested dictionaries keyed by its key paths, so any pytree
 (optax ``NamedTuple`` states, mixprec loss scales, Equinox modules, Flax NNX
 states) round-trips without registering anything with orbax; static
@@ -22,6 +28,9 @@ This module imports orbax-checkpoint; ``import mixprec`` never imports it.
 from __future__ import annotations
 
 import os
+import pathlib
+import shutil
+import warnings
 from typing import Any
 
 import jax
@@ -86,15 +95,46 @@ def _path(key: tuple[str, ...]) -> str:
     return "/".join(key) if key else "<root>"
 
 
+# Siblings of a checkpoint directory `d` that only an unfinished save leaves:
+# `d.mixprec-new` (a replacement written by `save(..., force=True)`),
+# `d.mixprec-old` (the previous checkpoint, while the two are swapped) and
+# orbax's own temporary directories (`d.orbax-checkpoint-tmp...`).
+_NEW, _OLD = ".mixprec-new", ".mixprec-old"
+_ORBAX_TMP = ".orbax-checkpoint-tmp"
+
+
+def _leftovers(path: pathlib.Path) -> list[pathlib.Path]:
+    if not path.parent.is_dir():
+        return []
+    prefixes = tuple(path.name + s for s in (_NEW, _OLD, _ORBAX_TMP))
+    return sorted(p for p in path.parent.iterdir() if p.name.startswith(prefixes))
+
+
+def _sync(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
 def save(directory: str | os.PathLike, state: Any, *, force: bool = False) -> None:
     """Saves a pytree of training state with orbax, and waits until it is written.
+
+    The checkpoint appears at ``directory`` only once it is complete (orbax
+    writes into a temporary directory and renames it). With ``force=True`` an
+    existing checkpoint is replaced the same way: the new one is written beside
+    it (``<directory>.mixprec-new``) and the two are swapped only when it is
+    complete, so a save killed midway leaves the previous checkpoint in place.
 
     Args:
       directory: the checkpoint directory (created; must not exist unless
         ``force``).
       state: any pytree of arrays, e.g. ``{"params": ..., "opt_state": ...}``
         where ``opt_state`` holds a `mixprec.optax.LossScaledState`.
-      force: overwrite an existing checkpoint.
+      force: replace an existing checkpoint (after the new one is written).
+
+    Raises:
+      ValueError: if ``directory`` exists and ``force`` is false.
 
     Examples:
       >>> import tempfile, jax.numpy as jnp
@@ -106,9 +146,33 @@ def save(directory: str | os.PathLike, state: Any, *, force: bool = False) -> No
       Array(32768., dtype=float32)
     """
     flat, _ = _flatten(state, "save")
+    path = pathlib.Path(os.path.abspath(os.fspath(directory)))
+    replace = path.exists()
+    if replace and not force:
+        raise ValueError(
+            f"`mixprec.orbax.save(directory, ...)`: {str(path)!r} already exists. "
+            "Pass `force=True` to replace it (the old checkpoint stays until the "
+            "new one is complete), or save to a new directory."
+        )
+    primary = jax.process_index() == 0
+    written = path.with_name(path.name + _NEW) if replace else path
     with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(os.path.abspath(os.fspath(directory)), _nest(flat), force=force)
+        # force: a complete `.mixprec-new` from an earlier interrupted save
+        # is stale once this one starts.
+        ckptr.save(written, _nest(flat), force=replace)
         ckptr.wait_until_finished()
+    if primary:
+        if replace:
+            old = path.with_name(path.name + _OLD)
+            if old.exists():
+                shutil.rmtree(old)
+            # The only moment without a checkpoint at `path`: between these two
+            # renames. `restore` then names both directories.
+            path.rename(old)
+            written.rename(path)
+        for leftover in _leftovers(path):
+            shutil.rmtree(leftover, ignore_errors=True)
+    _sync("mixprec.orbax.save")
 
 
 def _check_leaf(leaf: Any, key: tuple[str, ...]) -> None:
@@ -192,9 +256,12 @@ def restore(
 
     Raises:
       ValueError: if the checkpoint's paths differ from ``target``'s (every
-        missing and unexpected path is listed), a shape differs, or a value
+        missing and unexpected path is listed), a shape differs, a value
         overflows the dtype it is restored into (every such leaf is listed
-        with its first overflowing value).
+        with its first overflowing value), or ``directory`` holds a checkpoint
+        whose save did not finish.
+      FileNotFoundError: if there is no checkpoint at ``directory``; the message
+        names what an unfinished save left there, if anything.
       TypeError: if a leaf changes kind (integer vs floating) or a target leaf is
         not an array.
 
@@ -209,7 +276,9 @@ def restore(
       (dtype(bfloat16), dtype('int32'), 7)
     """
     want_dtype = None if dtype is None else canonical_float_dtype(dtype)
-    directory = os.path.abspath(os.fspath(directory))
+    path = pathlib.Path(os.path.abspath(os.fspath(directory)))
+    _check_complete(path)
+    directory = str(path)
     flat_target, treedef = _flatten(target, "restore")
     flat_castable, _ = _flatten(castable_mask(target), "restore")
     for key, leaf in flat_target.items():
@@ -265,6 +334,46 @@ def _overflow_message(overflows: list[Any], directory: str) -> str:
         "value. Nothing was changed."
     )
     return "\n".join(lines)
+
+
+def _check_complete(path: pathlib.Path) -> None:
+    """Raises if ``path`` holds no finished checkpoint; warns about leftovers."""
+    leftovers = _leftovers(path)
+    names = [p.name for p in leftovers]
+    if not path.exists():
+        old, new = path.with_name(path.name + _OLD), path.with_name(path.name + _NEW)
+        if old.exists():
+            raise FileNotFoundError(
+                f"`mixprec.orbax.restore`: no checkpoint at {str(path)!r}: a "
+                "`save(..., force=True)` was interrupted while swapping the old "
+                f"checkpoint for the new one. The previous checkpoint is "
+                f"{str(old)!r}; the new one, {str(new)!r}, is complete if it "
+                "exists. Restore from either path, or rename one to "
+                f"{path.name!r}."
+            )
+        if leftovers:
+            raise FileNotFoundError(
+                f"`mixprec.orbax.restore`: no checkpoint at {str(path)!r}: its "
+                f"save did not finish and left only partial data ({names}). "
+                "Restore an earlier checkpoint; delete the partial data."
+            )
+        raise FileNotFoundError(
+            f"`mixprec.orbax.restore`: no checkpoint at {str(path)!r}."
+        )
+    if not ocp.utils.is_checkpoint_finalized(path):
+        raise ValueError(
+            f"`mixprec.orbax.restore`: {str(path)!r} is an incomplete checkpoint "
+            "(its save did not finish, or it is the temporary directory of a save "
+            "in progress). Restore an earlier checkpoint."
+        )
+    if leftovers:
+        warnings.warn(
+            f"`mixprec.orbax.restore`: a later save into {str(path)!r} did not "
+            f"finish and left {names} beside it; restoring the last complete "
+            "checkpoint. The next `save(..., force=True)` to this path removes "
+            "them.",
+            stacklevel=3,
+        )
 
 
 def _check_structure(
