@@ -22,7 +22,13 @@ rules carry out and the numerics tools report. Under the default mode
   anchors the op. So ``bf16 activation + f32 bias`` stays bf16, while ``bf16
   update + f32 weight`` and ``f32 residual + bf16 branch`` run in float32: a
   float32 value with the shape of the result (a residual stream, a master
-  weight, optimizer state) is never rounded.
+  weight, optimizer state) is never rounded. Two kinds of broadcast operand
+  anchor all the same: a *statistic* (a reduction, or computed from reductions
+  and constants: a mean, ``1/sqrt(var + eps)``), so that ``x - mean`` and the
+  rest of a norm run in float32; and, in a backward pass under float16, any
+  broadcast cotangent (the gradient of a sum or a mean), which is the gradient
+  signal and often lies below float16's normal range. The interpreter works
+  out which operands follow (:mod:`~mixprec._src.autocast.interpreter`).
 * **Clear** ops run at the dtype they receive; operands that differ are unified
   to the widest anchor.
 * Only float32 work is lowered: an op with float64 operands, float8 operands, or

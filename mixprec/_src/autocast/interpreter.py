@@ -19,10 +19,11 @@ transformed jaxpr is traced. ``mixprec.diagnose`` runs the walk on concrete
 equation also runs as written on the reference, loops are stepped and branches
 taken concretely, and the observer compares the two.
 
-Per variable the walk keeps two marks: ``FOLLOWS`` (broadcast into its consumers:
-a bias, a scale, a scalar) and ``CONST`` (computed from constants only). The
-first decides which operands anchor a gray op; the second makes casts of
-constants saturate.
+Per variable the walk keeps three marks: ``FOLLOWS`` (broadcast into its
+consumers: a bias, a scale, a scalar), ``STAT`` (a statistic: computed from a
+reduction, like a mean or a variance; it is never a follower, even broadcast)
+and ``CONST`` (computed from constants only). The first two decide which
+operands anchor a gray op; the last makes casts of constants saturate.
 """
 
 from __future__ import annotations
@@ -43,12 +44,13 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal
 from mixprec._src import _compat
 from mixprec._src.autocast import ops, regions
 from mixprec._src.autocast.config import CastConfig
-from mixprec._src.autocast.decide import Decision, Precision, decide
+from mixprec._src.autocast.decide import Decision, Precision, decide, has_float32_range
 
 
 __all__ = [
     "CONST",
     "FOLLOWS",
+    "STAT",
     "CastContext",
     "Dual",
     "Observer",
@@ -65,6 +67,23 @@ _F32 = np.dtype(np.float32)
 FOLLOWS = 1
 #: The value is computed from literals and constants only.
 CONST = 2
+#: The value is a statistic: a reduction, or computed from reductions and
+#: constants only (a mean, a variance, 1/sqrt(var + eps), a max).
+STAT = 4
+
+# Reductions whose results are statistics of their operand.
+_REDUCTIONS = frozenset(
+    {
+        "reduce_sum",
+        "reduce_max",
+        "reduce_min",
+        "reduce_prod",
+        "psum",
+        "psum_invariant",
+        "pmax",
+        "pmin",
+    }
+)
 
 
 class Dual(NamedTuple):
@@ -252,8 +271,12 @@ class Walk:
         flags = spec.flags if spec is not None and not self.composite else frozenset()
         out_aval: Any = eqn.outvars[0].aval if eqn.outvars else None
         out_shape = getattr(out_aval, "shape", ())
+        # In a backward pass under float16, a broadcast cotangent (the
+        # gradient of a sum or a mean) is the gradient signal, often below
+        # float16's normal range: it anchors instead of following.
+        broadcast_follows = not (self.backward and not has_float32_range(cfg.low_dtype))
         operands = tuple(
-            (_float_dtype(x), _follows(v, x, m, out_shape))
+            (_float_dtype(x), _follows(v, x, m, out_shape, broadcast_follows))
             for v, x, m in zip(eqn.invars, invals, marks, strict=True)
         )
         d = decide(
@@ -329,11 +352,22 @@ def _same_shape(a: Sequence[Any], b: Sequence[Any]) -> bool:
         return False
 
 
-def _follows(var: Any, x: Any, mark: int, out_shape: Sequence[Any]) -> bool:
-    if mark & FOLLOWS:
-        return True
+def _follows(
+    var: Any,
+    x: Any,
+    mark: int,
+    out_shape: Sequence[Any],
+    broadcast_follows: bool = True,
+) -> bool:
+    """Whether an operand follows the others in a gray op (does not anchor it):
+    a weak-typed scalar always; an operand broadcast into the result (a bias, a
+    scale) unless it is a statistic or ``broadcast_follows`` is False."""
     aval = var.aval
     if getattr(aval, "weak_type", False):
+        return True
+    if mark & STAT or not broadcast_follows:
+        return False
+    if mark & FOLLOWS:
         return True
     return not _same_shape(getattr(aval, "shape", ()), out_shape)
 
@@ -605,19 +639,33 @@ def _out_marks(
     spec: ops.OpSpec | None, eqn: JaxprEqn, marks: Sequence[int], n: int
 ) -> list[int]:
     const = CONST if all(m & CONST for m in marks) else 0
+    name = eqn.primitive.name
+    if name in _REDUCTIONS or (
+        marks
+        and any(m & STAT for m in marks)
+        and all(m & (STAT | CONST) for m in marks)
+    ):
+        return [STAT] * n  # a statistic, broadcast or not: never a follower
     follows = 0
     if spec is not None and eqn.invars:
-        if eqn.primitive.name == "broadcast_in_dim":
+        if name == "broadcast_in_dim":
             src = aval_shape(eqn.invars[0])
-            if not _same_shape(src, aval_shape(eqn.outvars[0])):
+            if _size(src) != _size(aval_shape(eqn.outvars[0])):
                 follows = FOLLOWS
-            else:
+            else:  # only size-1 dimensions added: a reshape
                 follows = marks[0] & FOLLOWS
         elif ops.VIEW in spec.flags:
             follows = marks[0] & FOLLOWS
     if not eqn.invars and spec is not None and spec.op_class == "clear":
         const = CONST  # iota and friends
     return [const | follows] * n
+
+
+def _size(shape: Sequence[Any]) -> Any:
+    try:
+        return int(np.prod([int(d) for d in shape]))
+    except Exception:  # noqa: BLE001  (symbolic dimensions)
+        return tuple(shape)
 
 
 _EPILOGUE_OPS = frozenset({"add", "sub"})

@@ -59,6 +59,8 @@ class PrecisionReport:
       notes: anything the reader should know about the backend.
       jaxpr: the transformed jaxpr: exactly what ``mixprec.autocast`` runs (the
         records were taken while it was traced).
+      source_jaxpr: the jaxpr of ``fn`` it was built from; each record's
+        ``eqn`` is one of its equations (or of a body inside it).
 
     Examples:
       >>> import jax.numpy as jnp
@@ -80,6 +82,7 @@ class PrecisionReport:
     alignment: tuple[AlignmentIssue, ...] = ()
     notes: tuple[str, ...] = ()
     jaxpr: Any = dataclasses.field(default=None, compare=False, repr=False)
+    source_jaxpr: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def total_flops(self) -> int:
@@ -250,7 +253,7 @@ def explain(
     """
     config = make_config(policy, mode=mode, mixlist=mixlist)
     recorder = Recorder()
-    jaxpr = api.trace_transformed(fn, config, args, {}, observer=recorder)
+    jaxpr, source = api.trace_transformed(fn, config, args, {}, observer=recorder)
     ops = tuple(recorder.records)
     alignment = tuple(
         issue
@@ -267,4 +270,5 @@ def explain(
         alignment=alignment,
         notes=tuple(dict.fromkeys(recorder.notes)),
         jaxpr=jaxpr,
+        source_jaxpr=source,
     )

@@ -371,7 +371,7 @@ class Recorder:
         >>> import jax.numpy as jnp
         >>> from mixprec._src.autocast import api, config
         >>> rec = Recorder()
-        >>> _ = api.trace_transformed(lambda x: (x @ x).sum(),
+        >>> _, _ = api.trace_transformed(lambda x: (x @ x).sum(),
         ...     config.make_config("mixed_bfloat16"), (jnp.ones((2, 2)),), {},
         ...     observer=rec)
         >>> [(r.primitive, r.out_dtypes[0]) for r in rec.records]
