@@ -19,10 +19,12 @@ transformed jaxpr is traced. ``mixprec.diagnose`` runs the walk on concrete
 equation also runs as written on the reference, loops are stepped and branches
 taken concretely, and the observer compares the two.
 
-Per variable the walk keeps two marks: ``FOLLOWS`` (broadcast into its consumers:
-a bias, a scale, a scalar) and ``CONST`` (computed from constants only). The
-first decides which operands anchor a gray op; the second makes casts of
-constants saturate.
+Per variable the walk keeps three marks: ``FOLLOWS`` (broadcast into its
+consumers: a bias, a scale, a scalar), ``CONST`` (computed from constants only)
+and ``GRAD`` (a gradient: computed in a backward pass from the loss's
+cotangent). The first decides which operands anchor a gray op; the second makes
+casts of constants saturate; the third sends a float8 matmul's gradient operand
+to ``float8_e5m2``.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from jax.extend import source_info_util as siu
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal
 
 from mixprec._src import _compat
-from mixprec._src.autocast import ops, regions
+from mixprec._src.autocast import float8_dots, ops, regions
 from mixprec._src.autocast.config import CastConfig
 from mixprec._src.autocast.decide import Decision, Precision, decide
 
@@ -49,6 +51,7 @@ from mixprec._src.autocast.decide import Decision, Precision, decide
 __all__ = [
     "CONST",
     "FOLLOWS",
+    "GRAD",
     "CastContext",
     "Dual",
     "Observer",
@@ -65,6 +68,9 @@ _F32 = np.dtype(np.float32)
 FOLLOWS = 1
 #: The value is computed from literals and constants only.
 CONST = 2
+#: The value is a gradient: computed in a backward pass from the cotangent
+#: that starts it (a constant such as the ``1.0`` of ``jax.grad``).
+GRAD = 4
 
 
 class Dual(NamedTuple):
@@ -256,6 +262,7 @@ class Walk:
             (_float_dtype(x), _follows(v, x, m, out_shape))
             for v, x, m in zip(eqn.invars, invals, marks, strict=True)
         )
+        float8 = _float8_args(cfg, eqn, op_class, marks, out_shape)
         d = decide(
             lookup,
             operands,
@@ -266,6 +273,7 @@ class Walk:
             backward=self.backward,
             high_precision=_asks_high_precision(eqn),
             traced_out=_float_dtype(out_aval) if op_class == "allow" else None,
+            **float8,
         )
         if self.composite:
             return dataclasses.replace(
@@ -276,6 +284,34 @@ class Walk:
                 d, reason=f"mul of a value by itself: {d.reason}"
             )
         return d
+
+
+#: The ops autocast can run in float8 (others in the allow list stay 16-bit).
+_FLOAT8_OPS = frozenset({"dot_general", "conv_general_dilated"})
+
+
+def _float8_args(
+    cfg: CastConfig,
+    eqn: JaxprEqn,
+    op_class: str,
+    marks: Sequence[int],
+    out_shape: Sequence[Any],
+) -> dict[str, Any]:
+    """The float8 arguments of :func:`decide` for ``eqn`` (none without a recipe)."""
+    recipe = cfg.policy.float8
+    name = eqn.primitive.name
+    if recipe is None or op_class != "allow" or name not in _FLOAT8_OPS:
+        return {}
+    dims = float8_dots.product_dims(
+        name, [aval_shape(v) for v in eqn.invars], out_shape, eqn.params
+    )
+    size, align = dims if dims is not None else (None, ())
+    return {
+        "float8": recipe,
+        "float8_dims": size,
+        "float8_align": align,
+        "gradients": tuple(bool(m & GRAD) for m in marks),
+    }
 
 
 def _trip(n: Any) -> int:
@@ -477,7 +513,8 @@ def cast_operands(ctx: CastContext, invals: Sequence[Any]) -> list[Any]:
         ]
     if d.dtype is None:
         return list(invals)
-    target = d.dtype
+    # A rule that does not know float8 runs a float8 decision in the low dtype.
+    target = ctx.config.low_dtype if d.precision is Precision.FLOAT8 else d.dtype
     out_shape = aval_shape(eqn.outvars[0]) if eqn.outvars else ()
     spec = ops.spec_for(eqn.primitive.name)
     elementwise = spec is not None and ops.BROADCASTS in spec.flags
@@ -535,10 +572,13 @@ def _broadcast_to(x: Any, shape: Sequence[Any]) -> Any:
 def ran_with(decision: Decision, eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
     """The dtypes the operands of ``eqn`` run in under ``decision``."""
     out = []
-    for x, v in zip(invals, eqn.invars, strict=True):
+    formats = decision.operand_dtypes or ()
+    for i, (x, v) in enumerate(zip(invals, eqn.invars, strict=True)):
         dt = _float_dtype(x)
         if dt is None:
             out.append(getattr(x, "dtype", None) or np.asarray(x).dtype)
+        elif i < len(formats):
+            out.append(formats[i])
         elif decision.precision is Precision.ORIGINAL:
             out.append(np.dtype(aval_dtype(v)))
         elif decision.dtype is not None:
@@ -602,9 +642,18 @@ def _has_jaxpr_params(params: dict[str, Any]) -> bool:
 
 
 def _out_marks(
-    spec: ops.OpSpec | None, eqn: JaxprEqn, marks: Sequence[int], n: int
+    spec: ops.OpSpec | None,
+    eqn: JaxprEqn,
+    marks: Sequence[int],
+    n: int,
+    backward: bool = False,
 ) -> list[int]:
     const = CONST if all(m & CONST for m in marks) else 0
+    grad = 0
+    if backward and (any(m & GRAD for m in marks) or (marks and const)):
+        # A backward pass starts from a constant cotangent (`jax.grad`'s 1.0);
+        # what it computes from that is a gradient, residuals are not.
+        grad = GRAD
     follows = 0
     if spec is not None and eqn.invars:
         if eqn.primitive.name == "broadcast_in_dim":
@@ -617,7 +666,7 @@ def _out_marks(
             follows = marks[0] & FOLLOWS
     if not eqn.invars and spec is not None and spec.op_class == "clear":
         const = CONST  # iota and friends
-    return [const | follows] * n
+    return [const | follows | grad] * n
 
 
 _EPILOGUE_OPS = frozenset({"add", "sub"})
@@ -711,7 +760,7 @@ def run_eqn(
         walk.observer.on_eqn(
             walk, eqn, decision, ran_with(decision, eqn, invals), invals, outs
         )
-    return outs, _out_marks(spec, eqn, marks, n_out)
+    return outs, _out_marks(spec, eqn, marks, n_out, walk.backward)
 
 
 def _run_dual(
@@ -753,7 +802,7 @@ def _run_dual(
         walk.observer.on_eqn(
             walk, eqn, decision, ran_with(decision, eqn, mix_in), duals, outs, rerun
         )
-    return outs, _out_marks(spec, eqn, marks, len(outs))
+    return outs, _out_marks(spec, eqn, marks, len(outs), walk.backward)
 
 
 @contextlib.contextmanager
