@@ -33,7 +33,9 @@ dtype (rowwise re-quantizes them along the backward contraction, as torchao
 does). Otherwise (a whole train step under autocast, whose backward dots are
 equations of their own; ``jax.jvp``) it is a ``jax.custom_jvp`` whose
 derivative treats quantization as the identity (straight-through), with the
-tangent products in the low dtype.
+tangent products in the low dtype. Explicitly sharded operands take the second
+form too (JAX's own transposes keep the shardings): their backward products are
+16-bit under ``jax.grad``.
 
 Convolutions are scaled tensorwise under every recipe; their backward products
 are the transposes JAX derives for the convolution, applied to the float8

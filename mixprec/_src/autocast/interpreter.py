@@ -262,7 +262,7 @@ class Walk:
             (_float_dtype(x), _follows(v, x, m, out_shape))
             for v, x, m in zip(eqn.invars, invals, marks, strict=True)
         )
-        float8 = _float8_args(cfg, eqn, op_class, marks, out_shape)
+        float8 = _float8_args(cfg, eqn, spec, op_class, marks, out_shape)
         d = decide(
             lookup,
             operands,
@@ -286,21 +286,24 @@ class Walk:
         return d
 
 
-#: The ops autocast can run in float8 (others in the allow list stay 16-bit).
-_FLOAT8_OPS = frozenset({"dot_general", "conv_general_dilated"})
-
-
 def _float8_args(
     cfg: CastConfig,
     eqn: JaxprEqn,
+    spec: ops.OpSpec | None,
     op_class: str,
     marks: Sequence[int],
     out_shape: Sequence[Any],
 ) -> dict[str, Any]:
-    """The float8 arguments of :func:`decide` for ``eqn`` (none without a recipe)."""
+    """The float8 arguments of :func:`decide` for ``eqn`` (none without a recipe,
+    or for an op without a float8 formulation)."""
     recipe = cfg.policy.float8
     name = eqn.primitive.name
-    if recipe is None or op_class != "allow" or name not in _FLOAT8_OPS:
+    if (
+        recipe is None
+        or op_class != "allow"
+        or spec is None
+        or ops.FLOAT8 not in spec.flags
+    ):
         return {}
     dims = float8_dots.product_dims(
         name, [aval_shape(v) for v in eqn.invars], out_shape, eqn.params

@@ -288,7 +288,8 @@ class DiagnosisReport:
             n = sum(op.quantized for op in f8_ops)
             flushed = sum(op.flushed for op in f8_ops)
             lines.append(
-                f"float8: {len(f8_ops)} ops quantized {n} values; "
+                f"float8: {len(f8_ops)} op{'s' if len(f8_ops) != 1 else ''} "
+                f"quantized {n} values; "
                 f"{sum(op.saturated for op in f8_ops)} saturated, {flushed} "
                 f"({100 * flushed / max(n, 1):.2f}%) flushed to zero after scaling"
             )
