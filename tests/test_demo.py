@@ -309,7 +309,7 @@ def test_float8_reaches_float32_accuracy(digits_small, float32_run):
     # float8 residuals: a quarter of float32's bytes for the dots' operands.
     assert run.memory["residual_bytes"] < ref.memory["residual_bytes"]
     assert run.loss_scaling == "NoOpLossScale"
-    with pytest.raises(NotImplementedError, match="runs through `mixprec.autocast` only"):
+    with pytest.raises(NotImplementedError, match="through `mixprec.autocast` only"):
         train.model_fn(digits_small, "mixed_float8", "manual")
 
 
