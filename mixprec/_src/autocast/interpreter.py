@@ -19,11 +19,13 @@ transformed jaxpr is traced. ``mixprec.diagnose`` runs the walk on concrete
 equation also runs as written on the reference, loops are stepped and branches
 taken concretely, and the observer compares the two.
 
-Per variable the walk keeps three marks: ``FOLLOWS`` (broadcast into its
+Per variable the walk keeps four marks: ``FOLLOWS`` (broadcast into its
 consumers: a bias, a scale, a scalar), ``STAT`` (a statistic: computed from a
-reduction, like a mean or a variance; it is never a follower, even broadcast)
-and ``CONST`` (computed from constants only). The first two decide which
-operands anchor a gray op; the last makes casts of constants saturate.
+reduction, like a mean or a variance; it is never a follower, even broadcast),
+``CONST`` (computed from constants only) and ``GRAD`` (a gradient: computed in a
+backward pass from the loss's cotangent). The first two decide which operands
+anchor a gray op; ``CONST`` makes casts of constants saturate; ``GRAD`` sends a
+float8 matmul's gradient operand to ``float8_e5m2``.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from jax.extend import source_info_util as siu
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal
 
 from mixprec._src import _compat
-from mixprec._src.autocast import ops, regions
+from mixprec._src.autocast import float8_dots, ops, regions
 from mixprec._src.autocast.config import CastConfig
 from mixprec._src.autocast.decide import Decision, Precision, decide, has_float32_range
 
@@ -50,6 +52,7 @@ from mixprec._src.autocast.decide import Decision, Precision, decide, has_float3
 __all__ = [
     "CONST",
     "FOLLOWS",
+    "GRAD",
     "STAT",
     "CastContext",
     "Dual",
@@ -70,6 +73,9 @@ CONST = 2
 #: The value is a statistic: a reduction, or computed from reductions and
 #: constants only (a mean, a variance, 1/sqrt(var + eps), a max).
 STAT = 4
+#: The value is a gradient: computed in a backward pass from the cotangent
+#: that starts it (a constant such as the ``1.0`` of ``jax.grad``).
+GRAD = 8
 
 # Reductions whose results are statistics of their operand.
 _REDUCTIONS = frozenset(
@@ -279,6 +285,7 @@ class Walk:
             (_float_dtype(x), _follows(v, x, m, out_shape, broadcast_follows))
             for v, x, m in zip(eqn.invars, invals, marks, strict=True)
         )
+        float8 = _float8_args(cfg, eqn, spec, op_class, marks, out_shape)
         d = decide(
             lookup,
             operands,
@@ -289,6 +296,7 @@ class Walk:
             backward=self.backward,
             high_precision=_asks_high_precision(eqn),
             traced_out=_float_dtype(out_aval) if op_class == "allow" else None,
+            **float8,
         )
         if self.composite:
             return dataclasses.replace(
@@ -299,6 +307,37 @@ class Walk:
                 d, reason=f"mul of a value by itself: {d.reason}"
             )
         return d
+
+
+def _float8_args(
+    cfg: CastConfig,
+    eqn: JaxprEqn,
+    spec: ops.OpSpec | None,
+    op_class: str,
+    marks: Sequence[int],
+    out_shape: Sequence[Any],
+) -> dict[str, Any]:
+    """The float8 arguments of :func:`decide` for ``eqn`` (none without a recipe,
+    or for an op without a float8 formulation)."""
+    recipe = cfg.policy.float8
+    name = eqn.primitive.name
+    if (
+        recipe is None
+        or op_class != "allow"
+        or spec is None
+        or ops.FLOAT8 not in spec.flags
+    ):
+        return {}
+    dims = float8_dots.product_dims(
+        name, [aval_shape(v) for v in eqn.invars], out_shape, eqn.params
+    )
+    size, align = dims if dims is not None else (None, ())
+    return {
+        "float8": recipe,
+        "float8_dims": size,
+        "float8_align": align,
+        "gradients": tuple(bool(m & GRAD) for m in marks),
+    }
 
 
 def _trip(n: Any) -> int:
@@ -511,7 +550,8 @@ def cast_operands(ctx: CastContext, invals: Sequence[Any]) -> list[Any]:
         ]
     if d.dtype is None:
         return list(invals)
-    target = d.dtype
+    # A rule that does not know float8 runs a float8 decision in the low dtype.
+    target = ctx.config.low_dtype if d.precision is Precision.FLOAT8 else d.dtype
     out_shape = aval_shape(eqn.outvars[0]) if eqn.outvars else ()
     spec = ops.spec_for(eqn.primitive.name)
     elementwise = spec is not None and ops.BROADCASTS in spec.flags
@@ -569,10 +609,13 @@ def _broadcast_to(x: Any, shape: Sequence[Any]) -> Any:
 def ran_with(decision: Decision, eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
     """The dtypes the operands of ``eqn`` run in under ``decision``."""
     out = []
-    for x, v in zip(invals, eqn.invars, strict=True):
+    formats = decision.operand_dtypes or ()
+    for i, (x, v) in enumerate(zip(invals, eqn.invars, strict=True)):
         dt = _float_dtype(x)
         if dt is None:
             out.append(getattr(x, "dtype", None) or np.asarray(x).dtype)
+        elif i < len(formats):
+            out.append(formats[i])
         elif decision.precision is Precision.ORIGINAL:
             out.append(np.dtype(aval_dtype(v)))
         elif decision.dtype is not None:
@@ -636,16 +679,26 @@ def _has_jaxpr_params(params: dict[str, Any]) -> bool:
 
 
 def _out_marks(
-    spec: ops.OpSpec | None, eqn: JaxprEqn, marks: Sequence[int], n: int
+    spec: ops.OpSpec | None,
+    eqn: JaxprEqn,
+    marks: Sequence[int],
+    n: int,
+    backward: bool = False,
 ) -> list[int]:
     const = CONST if all(m & CONST for m in marks) else 0
+    grad = 0
+    if backward and (any(m & GRAD for m in marks) or (marks and const)):
+        # A backward pass starts from a constant cotangent (`jax.grad`'s 1.0);
+        # what it computes from that is a gradient, residuals are not.
+        grad = GRAD
     name = eqn.primitive.name
     if name in _REDUCTIONS or (
         marks
         and any(m & STAT for m in marks)
         and all(m & (STAT | CONST) for m in marks)
     ):
-        return [STAT] * n  # a statistic, broadcast or not: never a follower
+        # A statistic, broadcast or not: never a follower.
+        return [STAT | const | grad] * n
     follows = 0
     if spec is not None and eqn.invars:
         if name == "broadcast_in_dim":
@@ -658,7 +711,7 @@ def _out_marks(
             follows = marks[0] & FOLLOWS
     if not eqn.invars and spec is not None and spec.op_class == "clear":
         const = CONST  # iota and friends
-    return [const | follows] * n
+    return [const | follows | grad] * n
 
 
 def _size(shape: Sequence[Any]) -> Any:
@@ -759,7 +812,7 @@ def run_eqn(
         walk.observer.on_eqn(
             walk, eqn, decision, ran_with(decision, eqn, invals), invals, outs
         )
-    return outs, _out_marks(spec, eqn, marks, n_out)
+    return outs, _out_marks(spec, eqn, marks, n_out, walk.backward)
 
 
 def _run_dual(
@@ -801,7 +854,7 @@ def _run_dual(
         walk.observer.on_eqn(
             walk, eqn, decision, ran_with(decision, eqn, mix_in), duals, outs, rerun
         )
-    return outs, _out_marks(spec, eqn, marks, len(outs))
+    return outs, _out_marks(spec, eqn, marks, len(outs), walk.backward)
 
 
 @contextlib.contextmanager

@@ -66,6 +66,8 @@ def rows(results: Sequence[RunResult]) -> list[list[str]]:
     out = []
     for r in results:
         name = r.precision
+        if r.float8_flop_fraction is not None:
+            name += f" ({r.float8_flop_fraction:.0%} fp8)"
         if r.error:
             out.append([name, *(["-"] * (len(COLUMNS) - 2)), f"skipped: {r.error}"])
             continue
@@ -140,7 +142,10 @@ NOTES = (
     "for the backward pass. device peak (GPU only): the backend's peak bytes in "
     "use, a process-wide high-water mark. skipped: steps whose gradients were not "
     "finite (update skipped, loss scale backed off). loss scale: the final scale "
-    "(dynamic for mixed_float16)."
+    "(dynamic for mixed_float16). mixed_float8 (N% fp8): matmuls in float8 "
+    "(tensorwise current scaling) for N% of the forward pass's FLOPs; the rest "
+    "as mixed_bfloat16. CPUs have no float8 arithmetic: it is emulated, slower "
+    "than bfloat16, and shown for its accuracy."
 )
 
 
