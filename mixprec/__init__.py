@@ -11,8 +11,8 @@ from here, so ``import mixprec`` needs only JAX and NumPy.
 Names by concern: policies and casting (``Policy``, ``get_policy``,
 ``policy_scope``, ``cast_tree``, ...), loss scaling (``DynamicLossScale``,
 ``all_finite``, ...), autocast (``autocast``, ``float32_scope``,
-``modify_mixlist``, ``register_rule``, ...), training (``value_and_grad``,
-``grad``), and numerics (``explain``, ``diagnose``).
+``modify_mixlist``, ``register_rule``, ``Float8Recipe``, ...), training
+(``value_and_grad``, ``grad``), and numerics (``explain``, ``diagnose``).
 """
 
 from importlib import metadata as _metadata
@@ -36,6 +36,7 @@ from ._src.casting import (
     half_dtype as half_dtype,
     is_floating_array as is_floating_array,
 )
+from ._src.float8 import Float8Recipe as Float8Recipe
 from ._src.loss_scale import (
     DynamicLossScale as DynamicLossScale,
     LossScale as LossScale,

@@ -21,22 +21,30 @@ Grads that were never scaled (plain `jax.grad`) are still handled correctly (the
 step is skipped if they are not finite), they just get no underflow protection.
 The wrapper re-checks finiteness itself, so there is no flag to forget to pass.
 
+Gradient accumulation goes *inside* the wrapper,
+``loss_scaled(optax.MultiSteps(inner, k))``, so that every micro-batch is
+checked before it is accumulated; the other order is refused (see
+`loss_scaled`).
+
 This module imports optax; ``import mixprec`` never imports it.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from ._src import training
 from ._src.casting import is_floating_array
 from ._src.loss_scale import DynamicLossScale, LossScale, all_finite
 
 
 __all__ = [
+    "LossScaleFloorWarning",
     "LossScaledState",
     "current_loss_scale",
     "loss_scale_stats",
@@ -58,6 +66,9 @@ class LossScaledState(NamedTuple):
       num_consecutive_skipped: int32 count of non-finite steps since the last
         finite one.
       last_finite: whether the last step's gradients were finite.
+      num_steps_at_floor: int32 count of the steps in a row (up to this one)
+        after which the loss scale sat at its floor (a `DynamicLossScale`'s
+        ``min_loss_scale``); 0 when it is above it, always 0 for other scales.
 
     Examples:
       >>> import optax, jax.numpy as jnp
@@ -72,6 +83,43 @@ class LossScaledState(NamedTuple):
     num_skipped: jax.Array
     num_consecutive_skipped: jax.Array
     last_finite: jax.Array
+    num_steps_at_floor: jax.Array
+
+
+class LossScaleFloorWarning(RuntimeWarning):
+    """The loss scale has sat at its floor for many steps (see `loss_scaled`).
+
+    float16 gradients smaller than about 6e-8 then flush to zero again. Turned
+    on with ``loss_scaled(..., warn_at_floor_after=n)``; filter it like any
+    warning.
+
+    Examples:
+      >>> import warnings
+      >>> import mixprec.optax
+      >>> warnings.simplefilter("error", mixprec.optax.LossScaleFloorWarning)
+      >>> issubclass(mixprec.optax.LossScaleFloorWarning, RuntimeWarning)
+      True
+      >>> warnings.resetwarnings()
+    """
+
+
+def _at_floor(loss_scale: LossScale) -> jax.Array:
+    if isinstance(loss_scale, DynamicLossScale):
+        scale = jnp.asarray(loss_scale.loss_scale, jnp.float32)
+        return scale <= jnp.float32(loss_scale.min_loss_scale)
+    return jnp.zeros((), jnp.bool_)
+
+
+def _warn_at_floor(steps: Any, scale: Any) -> None:
+    warnings.warn(
+        f"The loss scale has sat at its floor ({float(scale):g}) for {int(steps)} "
+        "steps: float16 gradients below ~6e-8 flush to zero again. Usually "
+        "spurious non-finite steps keep pushing it down; see 'choosing loss-scale "
+        "settings' in docs/training.md (`nonfinite_before_backoff=2, "
+        "consecutive_nonfinite=True`, a shorter `period`), or train in bfloat16.",
+        LossScaleFloorWarning,
+        stacklevel=2,
+    )
 
 
 def _poison(tree: Any, finite: jax.Array) -> Any:
@@ -86,10 +134,11 @@ def _poison(tree: Any, finite: jax.Array) -> Any:
 
 
 def loss_scaled(
-    inner: optax.GradientTransformation,
+    inner: optax.GradientTransformation | optax.MultiSteps,
     loss_scale: LossScale | None = None,
     *,
     axis_name: Any = None,
+    warn_at_floor_after: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps an optimizer so that it skips non-finite steps and adapts a loss scale.
 
@@ -100,16 +149,36 @@ def loss_scaled(
     cases the loss scale is adjusted (``loss_scale.adjust(finite)``) and the skip
     counters are updated.
 
+    The default scale backs off only after two non-finite steps in a row: one
+    spurious inf (a bad batch) is skipped without lowering the scale, while a
+    scale that is really too large overflows on every step and still backs off.
+    On a float16 soak with 1% spurious non-finite steps, backing off on every
+    one (JMP's and Keras's rule, still ``DynamicLossScale``'s own default) left
+    the scale at its floor of 1 from step ~2,000 on; see "choosing loss-scale
+    settings" in docs/training.md for the measurements.
+
+    Gradient accumulation: pass ``optax.MultiSteps(opt, k)`` as ``inner``, so
+    that each micro-batch is checked and a bad one is skipped before it is
+    accumulated. The reverse, ``optax.MultiSteps(loss_scaled(opt), k)``, lets
+    one non-finite micro-batch turn MultiSteps' accumulator into NaN for good;
+    `mixprec.value_and_grad`, `current_loss_scale` and `loss_scale_stats`
+    refuse that state.
+
     Args:
-      inner: the optimizer to wrap.
+      inner: the optimizer to wrap (an ``optax.MultiSteps`` too).
       loss_scale: the initial loss scale. Defaults to
-        ``DynamicLossScale(2.0**15)`` (Keras's default).
+        ``DynamicLossScale(2.0**15, nonfinite_before_backoff=2,
+        consecutive_nonfinite=True)`` (Keras's initial scale and period).
       axis_name: the mapped axis (``shard_map``/``pmap``) over which the gradients
         are *sharded and not yet reduced* (each device holding a different part,
         e.g. sharded parameters). The finite verdict is then reduced over it so
         that every device skips together. Not needed with ``jit`` over global
         arrays, nor after a ``lax.pmean`` of the gradients (a non-finite value
         then reaches every device anyway).
+      warn_at_floor_after: if given, issue a `LossScaleFloorWarning` (through
+        ``jax.debug.callback``, so also under ``jit``) once the scale has sat at
+        its floor for this many steps in a row, and again after each further
+        stretch as long.
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is a
@@ -117,7 +186,9 @@ def loss_scaled(
       forwards extra arguments to ``inner``.
 
     Raises:
-      TypeError: if ``loss_scale`` is not a mixprec loss scale.
+      TypeError: if ``loss_scale`` is not a mixprec loss scale or ``inner`` not
+        an optimizer.
+      ValueError: if ``warn_at_floor_after`` is not a positive integer.
 
     Examples:
       >>> import jax.numpy as jnp, optax
@@ -131,27 +202,45 @@ def loss_scaled(
       >>> optax.apply_updates(params, updates)["w"]
       Array([0., 0.], dtype=float32)
 
-      A non-finite step is skipped and backs the scale off:
+      A non-finite step is skipped; a second one in a row backs the scale off:
 
       >>> bad = {"w": jnp.array([1.0, jnp.inf])}
       >>> updates, state = opt.update(bad, state, params)
-      >>> updates["w"], state.num_skipped
-      (Array([0., 0.], dtype=float32), Array(1, dtype=int32))
-      >>> state.loss_scale.loss_scale
-      Array(16384., dtype=float32)
+      >>> updates["w"], state.num_skipped, state.loss_scale.loss_scale
+      (Array([0., 0.], dtype=float32), Array(1, dtype=int32),
+       Array(32768., dtype=float32))
+      >>> updates, state = opt.update(bad, state, params)
+      >>> state.num_skipped, state.loss_scale.loss_scale
+      (Array(2, dtype=int32), Array(16384., dtype=float32))
     """
     if loss_scale is None:
-        loss_scale = DynamicLossScale(jnp.asarray(2.0**15, jnp.float32))
+        loss_scale = DynamicLossScale(
+            jnp.asarray(2.0**15, jnp.float32),
+            nonfinite_before_backoff=2,
+            consecutive_nonfinite=True,
+        )
     if not isinstance(loss_scale, LossScale):
         raise TypeError(
             "`mixprec.optax.loss_scaled(inner, loss_scale=...)` must be a mixprec "
             "loss scale (`NoOpLossScale()`, `StaticLossScale(s)`, "
             f"`DynamicLossScale(s)`), got {type(loss_scale).__name__} instead."
         )
+    if isinstance(inner, optax.MultiSteps):
+        inner = inner.gradient_transformation()
     if not isinstance(inner, optax.GradientTransformation):
         raise TypeError(
             "`mixprec.optax.loss_scaled(inner, ...)` must be an optax "
             f"GradientTransformation, got {type(inner).__name__} instead."
+        )
+    if warn_at_floor_after is not None and (
+        isinstance(warn_at_floor_after, bool)
+        or not isinstance(warn_at_floor_after, int)
+        or warn_at_floor_after < 1
+    ):
+        raise ValueError(
+            "`mixprec.optax.loss_scaled(..., warn_at_floor_after=...)` must be a "
+            f"positive integer (a number of steps) or None, got "
+            f"{warn_at_floor_after!r}."
         )
     guarded = optax.apply_if_finite(inner, max_consecutive_errors=_NEVER)
     initial_scale = loss_scale
@@ -164,6 +253,7 @@ def loss_scaled(
             num_skipped=s.total_notfinite,
             num_consecutive_skipped=s.notfinite_count,
             last_finite=s.last_finite,
+            num_steps_at_floor=jnp.asarray(_at_floor(initial_scale), jnp.int32),
         )
 
     def update_fn(
@@ -191,12 +281,28 @@ def loss_scaled(
         )
         new_updates, new_s = guarded.update(updates, s, params, **extra_args)
         s = cast(optax.ApplyIfFiniteState, new_s)
+        loss_scale = state.loss_scale.adjust(finite)
+        at_floor = jnp.where(
+            _at_floor(loss_scale),
+            optax.safe_increment(jnp.asarray(state.num_steps_at_floor, jnp.int32)),
+            0,
+        ).astype(jnp.int32)
+        if warn_at_floor_after is not None:
+            # Once per stretch of `warn_at_floor_after` steps at the floor.
+            jax.lax.cond(
+                (at_floor > 0) & (at_floor % warn_at_floor_after == 0),
+                lambda: jax.debug.callback(
+                    _warn_at_floor, at_floor, loss_scale.loss_scale
+                ),
+                lambda: None,
+            )
         return new_updates, LossScaledState(
             inner_state=s.inner_state,
-            loss_scale=state.loss_scale.adjust(finite),
+            loss_scale=loss_scale,
             num_skipped=s.total_notfinite,
             num_consecutive_skipped=s.notfinite_count,
             last_finite=s.last_finite,
+            num_steps_at_floor=at_floor,
         )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
@@ -212,7 +318,38 @@ def _find_states(state: Any) -> list[LossScaledState]:
     ]
 
 
+def _is_multisteps(x: Any) -> bool:
+    return isinstance(x, optax.MultiStepsState)
+
+
+def _check_no_multisteps_around(state: Any, call: str) -> None:
+    """Refuses ``optax.MultiSteps(loss_scaled(...))``: it cannot train.
+
+    MultiSteps would accumulate gradients the wrapper has not checked. One
+    non-finite micro-batch makes the accumulator NaN, and MultiSteps clears it
+    by multiplying by zero, which keeps it NaN: every later step is skipped.
+    """
+    for node in jax.tree.leaves(state, is_leaf=_is_multisteps):
+        if _is_multisteps(node) and _find_states(node.inner_opt_state):
+            raise ValueError(
+                f"`{call}`: the optimizer state has `optax.MultiSteps` around "
+                "`mixprec.optax.loss_scaled`. MultiSteps then accumulates "
+                "gradients the wrapper has not checked: one non-finite micro-batch "
+                "turns its accumulator into NaN for good (clearing it multiplies "
+                "by zero) and every later step is skipped. Put the accumulation "
+                "inside the wrapper, which then skips a bad micro-batch before it "
+                "is accumulated:\n"
+                "    opt = mixprec.optax.loss_scaled("
+                "optax.MultiSteps(inner, every_k_schedule=k), loss_scale)"
+            )
+
+
+# `mixprec.value_and_grad(..., loss_scale=opt_state)` runs this check too.
+training.register_state_check(_check_no_multisteps_around)
+
+
 def _the_state(state: Any, fn_name: str) -> LossScaledState:
+    _check_no_multisteps_around(state, f"mixprec.optax.{fn_name}(state)")
     found = _find_states(state)
     if len(found) != 1:
         raise ValueError(
@@ -250,14 +387,17 @@ def current_loss_scale(state: Any) -> LossScale:
 
 
 def loss_scale_stats(state: Any) -> dict[str, jax.Array]:
-    """Numbers to log: the current scale and the skip counters.
+    """Numbers to log: the current scale, the skip counters, time at the floor.
 
     Args:
       state: an optimizer state holding exactly one `LossScaledState`.
 
     Returns:
       A dict with ``loss_scale`` (float32), ``num_skipped`` and
-      ``num_consecutive_skipped`` (int32) and ``last_finite`` (bool).
+      ``num_consecutive_skipped`` (int32), ``last_finite`` (bool) and
+      ``num_steps_at_floor`` (int32: steps in a row the scale has sat at its
+      floor, ``min_loss_scale``; a large number means float16 gradients are
+      flushing to zero again).
 
     Examples:
       >>> import jax.numpy as jnp, optax
@@ -266,7 +406,7 @@ def loss_scale_stats(state: Any) -> dict[str, jax.Array]:
       >>> stats = mixprec.optax.loss_scale_stats(opt.init(jnp.zeros(2)))
       >>> {k: v.item() for k, v in stats.items()}  # doctest: +NORMALIZE_WHITESPACE
       {'loss_scale': 8.0, 'num_skipped': 0, 'num_consecutive_skipped': 0,
-       'last_finite': True}
+       'last_finite': True, 'num_steps_at_floor': 0}
     """
     s = _the_state(state, "loss_scale_stats")
     return {
@@ -274,4 +414,5 @@ def loss_scale_stats(state: Any) -> dict[str, jax.Array]:
         "num_skipped": s.num_skipped,
         "num_consecutive_skipped": s.num_consecutive_skipped,
         "last_finite": s.last_finite,
+        "num_steps_at_floor": s.num_steps_at_floor,
     }

@@ -2,10 +2,18 @@
 
 `save` writes any pytree of training state (parameters, optimizer state, the
 loss scale, step counters) with orbax-checkpoint; `restore` reads it back into
-the structure of a ``target``, casting each floating leaf on restore with
-orbax's own restore-with-dtype support. So a float32 checkpoint restores into
-float16/bfloat16 parameters and the reverse (seed 000's cast-on-restore), while
-integer leaves (step counts, loss-scale counters) stay integers.
+the structure of a ``target``, casting each floating leaf on restore. So a
+float32 checkpoint restores into float16/bfloat16 parameters and the reverse
+(TF1's cast-on-restore), while integer leaves (step counts, loss-scale
+counters) stay integers, and a loss scale's state is never cast (2**16 is inf
+in float16). A value too large for the dtype it is restored into is an error,
+not a silent inf.
+
+A save never destroys the previous checkpoint before the new one is complete:
+orbax writes into a temporary directory and renames it when done, and
+``save(..., force=True)`` writes the replacement beside the old checkpoint and
+swaps the two only then. A save killed midway leaves the previous checkpoint
+restorable; `restore` detects what the unfinished save left behind.
 
 The tree is stored as nested dictionaries keyed by its key paths, so any pytree
 (optax ``NamedTuple`` states, mixprec loss scales, Equinox modules, Flax NNX
@@ -20,6 +28,9 @@ This module imports orbax-checkpoint; ``import mixprec`` never imports it.
 from __future__ import annotations
 
 import os
+import pathlib
+import shutil
+import warnings
 from typing import Any
 
 import jax
@@ -28,7 +39,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.typing import DTypeLike
 
-from ._src.casting import canonical_float_dtype
+from ._src.casting import canonical_float_dtype, castable_mask
 
 
 __all__ = ["restore", "save"]
@@ -84,15 +95,46 @@ def _path(key: tuple[str, ...]) -> str:
     return "/".join(key) if key else "<root>"
 
 
+# Siblings of a checkpoint directory `d` that only an unfinished save leaves:
+# `d.mixprec-new` (a replacement written by `save(..., force=True)`),
+# `d.mixprec-old` (the previous checkpoint, while the two are swapped) and
+# orbax's own temporary directories (`d.orbax-checkpoint-tmp...`).
+_NEW, _OLD = ".mixprec-new", ".mixprec-old"
+_ORBAX_TMP = ".orbax-checkpoint-tmp"
+
+
+def _leftovers(path: pathlib.Path) -> list[pathlib.Path]:
+    if not path.parent.is_dir():
+        return []
+    prefixes = tuple(path.name + s for s in (_NEW, _OLD, _ORBAX_TMP))
+    return sorted(p for p in path.parent.iterdir() if p.name.startswith(prefixes))
+
+
+def _sync(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
 def save(directory: str | os.PathLike, state: Any, *, force: bool = False) -> None:
     """Saves a pytree of training state with orbax, and waits until it is written.
+
+    The checkpoint appears at ``directory`` only once it is complete (orbax
+    writes into a temporary directory and renames it). With ``force=True`` an
+    existing checkpoint is replaced the same way: the new one is written beside
+    it (``<directory>.mixprec-new``) and the two are swapped only when it is
+    complete, so a save killed midway leaves the previous checkpoint in place.
 
     Args:
       directory: the checkpoint directory (created; must not exist unless
         ``force``).
       state: any pytree of arrays, e.g. ``{"params": ..., "opt_state": ...}``
         where ``opt_state`` holds a `mixprec.optax.LossScaledState`.
-      force: overwrite an existing checkpoint.
+      force: replace an existing checkpoint (after the new one is written).
+
+    Raises:
+      ValueError: if ``directory`` exists and ``force`` is false.
 
     Examples:
       >>> import tempfile, jax.numpy as jnp
@@ -104,25 +146,77 @@ def save(directory: str | os.PathLike, state: Any, *, force: bool = False) -> No
       Array(32768., dtype=float32)
     """
     flat, _ = _flatten(state, "save")
+    path = pathlib.Path(os.path.abspath(os.fspath(directory)))
+    replace = path.exists()
+    if replace and not force:
+        raise ValueError(
+            f"`mixprec.orbax.save(directory, ...)`: {str(path)!r} already exists. "
+            "Pass `force=True` to replace it (the old checkpoint stays until the "
+            "new one is complete), or save to a new directory."
+        )
+    primary = jax.process_index() == 0
+    written = path.with_name(path.name + _NEW) if replace else path
     with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(os.path.abspath(os.fspath(directory)), _nest(flat), force=force)
+        # force: a complete `.mixprec-new` from an earlier interrupted save
+        # is stale once this one starts.
+        ckptr.save(written, _nest(flat), force=replace)
         ckptr.wait_until_finished()
+    if primary:
+        if replace:
+            old = path.with_name(path.name + _OLD)
+            if old.exists():
+                shutil.rmtree(old)
+            # The only moment without a checkpoint at `path`: between these two
+            # renames. `restore` then names both directories.
+            path.rename(old)
+            written.rename(path)
+        for leftover in _leftovers(path):
+            shutil.rmtree(leftover, ignore_errors=True)
+    _sync("mixprec.orbax.save")
 
 
-def _abstract(leaf: Any, dtype: np.dtype | None, key: tuple[str, ...]) -> Any:
+def _check_leaf(leaf: Any, key: tuple[str, ...]) -> None:
     if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
         raise TypeError(
             "`mixprec.orbax.restore(directory, target)`: every leaf of `target` must "
             "be an array or `jax.ShapeDtypeStruct`, got "
             f"{type(leaf).__name__} at {_path(key)!r}."
         )
-    want = jnp.dtype(leaf.dtype)
-    if dtype is not None and jnp.issubdtype(want, jnp.floating):
-        want = dtype
+
+
+def _abstract(leaf: Any, dtype: Any) -> jax.ShapeDtypeStruct:
     sharding = getattr(leaf, "sharding", None)
     if sharding is None:
         sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    return jax.ShapeDtypeStruct(tuple(leaf.shape), want, sharding=sharding)
+    return jax.ShapeDtypeStruct(tuple(leaf.shape), dtype, sharding=sharding)
+
+
+def _is_float(dtype: Any) -> bool:
+    return bool(jnp.issubdtype(jnp.dtype(dtype), jnp.floating))
+
+
+def _narrow(
+    x: jax.Array, dtype: np.dtype, saturate: bool
+) -> tuple[jax.Array, tuple[int, float, tuple[int, ...]] | None]:
+    """Casts ``x`` to ``dtype``; reports finite values that would become inf.
+
+    Returns the cast array and ``None``, or (without ``saturate``) the number
+    of overflowing values, the first one and its index.
+    """
+    if jnp.finfo(dtype).max >= jnp.finfo(x.dtype).max:
+        return x.astype(dtype), None  # widening (or same range) never overflows
+    y = x.astype(dtype)
+    finite = jnp.isfinite(x)
+    overflow = finite & ~jnp.isfinite(y)
+    count = int(jnp.sum(overflow))
+    if not count:
+        return y, None
+    if saturate:
+        big = float(jnp.finfo(dtype).max)
+        return jnp.where(finite, jnp.clip(x, -big, big), x).astype(dtype), None
+    flat = int(jnp.argmax(overflow.reshape(-1)))
+    index = tuple(int(i) for i in np.unravel_index(flat, x.shape))
+    return y, (count, float(x.reshape(-1)[flat]), index)
 
 
 def restore(
@@ -130,27 +224,44 @@ def restore(
     target: Any,
     *,
     dtype: DTypeLike | None = None,
+    saturate: bool = False,
 ) -> Any:
     """Restores a checkpoint written by `save` into the structure of ``target``.
 
     Each leaf comes back with the shape, sharding and dtype of the matching leaf
     of ``target`` (arrays or `jax.ShapeDtypeStruct`); floating leaves are cast on
     restore, so the checkpoint's dtypes need not match. Integer and boolean
-    leaves must be stored as integers/booleans and stay so.
+    leaves must be stored as integers/booleans and stay so. The state of a loss
+    scale in ``target`` keeps its float32 dtype whatever ``dtype`` says (as
+    `mixprec.cast_tree` does): a scale of 2**16 would be inf in float16.
+
+    A floating leaf is read in its saved dtype, then cast. A finite value that
+    the new dtype cannot hold (above 65504 in float16) would become inf and
+    stall training: that is an error naming the leaf and the value, unless
+    ``saturate=True``.
 
     Args:
       directory: the checkpoint directory.
       target: a pytree with the structure to restore into; its static parts
         (loss-scale configuration, module fields) are kept.
       dtype: if given, every *floating* leaf is restored in this dtype instead
-        of ``target``'s (e.g. restore float32 master weights as bfloat16).
+        of ``target``'s (e.g. restore float32 master weights as bfloat16),
+        except the state of loss scales.
+      saturate: clip values too large for the dtype they are restored into to
+        its largest finite value (keeping their sign) instead of raising.
+        Values that were already inf or NaN in the checkpoint stay so.
 
     Returns:
       A pytree with ``target``'s structure.
 
     Raises:
       ValueError: if the checkpoint's paths differ from ``target``'s (every
-        missing and unexpected path is listed) or a shape differs.
+        missing and unexpected path is listed), a shape differs, a value
+        overflows the dtype it is restored into (every such leaf is listed
+        with its first overflowing value), or ``directory`` holds a checkpoint
+        whose save did not finish.
+      FileNotFoundError: if there is no checkpoint at ``directory``; the message
+        names what an unfinished save left there, if anything.
       TypeError: if a leaf changes kind (integer vs floating) or a target leaf is
         not an array.
 
@@ -165,18 +276,104 @@ def restore(
       (dtype(bfloat16), dtype('int32'), 7)
     """
     want_dtype = None if dtype is None else canonical_float_dtype(dtype)
-    directory = os.path.abspath(os.fspath(directory))
+    path = pathlib.Path(os.path.abspath(os.fspath(directory)))
+    _check_complete(path)
+    directory = str(path)
     flat_target, treedef = _flatten(target, "restore")
+    flat_castable, _ = _flatten(castable_mask(target), "restore")
+    for key, leaf in flat_target.items():
+        _check_leaf(leaf, key)
     with ocp.StandardCheckpointer() as ckptr:
         meta = ckptr.metadata(directory)
         tree = getattr(meta, "item_metadata", meta)
         tree = getattr(tree, "tree", tree)
         flat_meta = _unnest(tree)
         _check_structure(flat_meta, flat_target, directory)
-        abstract = {k: _abstract(v, want_dtype, k) for k, v in flat_target.items()}
-        restored = ckptr.restore(directory, _nest(abstract))
-    flat = _unnest(restored)
-    return jax.tree_util.tree_unflatten(treedef, [flat[k] for k in flat_target])
+        wanted, read = {}, {}
+        for key, leaf in flat_target.items():
+            want = jnp.dtype(leaf.dtype)
+            if want_dtype is not None and _is_float(want) and flat_castable[key]:
+                want = want_dtype
+            wanted[key] = want
+            saved = getattr(flat_meta[key], "dtype", None)
+            # Floating leaves are read as saved and cast below, where an
+            # overflow can be seen.
+            read[key] = (
+                jnp.dtype(saved) if saved is not None and _is_float(want) else want
+            )
+        abstract = {k: _abstract(flat_target[k], read[k]) for k in flat_target}
+        restored = _unnest(ckptr.restore(directory, _nest(abstract)))
+    out, overflows = [], []
+    for key in flat_target:
+        x = restored[key]
+        if x.dtype != wanted[key]:
+            x, overflow = _narrow(x, wanted[key], saturate)
+            if overflow is not None:
+                overflows.append((key, wanted[key], *overflow))
+        out.append(x)
+    if overflows:
+        raise ValueError(_overflow_message(overflows, directory))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _overflow_message(overflows: list[Any], directory: str) -> str:
+    lines = [
+        f"`mixprec.orbax.restore`: restoring {directory!r} would turn finite "
+        "values into inf:"
+    ]
+    for key, dtype, count, value, index in overflows:
+        big = float(jnp.finfo(dtype).max)
+        at = f" at index {index}" if index else ""
+        lines.append(
+            f"  {_path(key)!r}: {value!r}{at} does not fit in {dtype} (largest "
+            f"{big:g}); {count} value(s) in this leaf."
+        )
+    lines.append(
+        "Restore these leaves in a wider dtype (a float32 leaf in `target`, and no "
+        "`dtype=`), or pass `saturate=True` to clip them to the largest finite "
+        "value. Nothing was changed."
+    )
+    return "\n".join(lines)
+
+
+def _check_complete(path: pathlib.Path) -> None:
+    """Raises if ``path`` holds no finished checkpoint; warns about leftovers."""
+    leftovers = _leftovers(path)
+    names = [p.name for p in leftovers]
+    if not path.exists():
+        old, new = path.with_name(path.name + _OLD), path.with_name(path.name + _NEW)
+        if old.exists():
+            raise FileNotFoundError(
+                f"`mixprec.orbax.restore`: no checkpoint at {str(path)!r}: a "
+                "`save(..., force=True)` was interrupted while swapping the old "
+                f"checkpoint for the new one. The previous checkpoint is "
+                f"{str(old)!r}; the new one, {str(new)!r}, is complete if it "
+                "exists. Restore from either path, or rename one to "
+                f"{path.name!r}."
+            )
+        if leftovers:
+            raise FileNotFoundError(
+                f"`mixprec.orbax.restore`: no checkpoint at {str(path)!r}: its "
+                f"save did not finish and left only partial data ({names}). "
+                "Restore an earlier checkpoint; delete the partial data."
+            )
+        raise FileNotFoundError(
+            f"`mixprec.orbax.restore`: no checkpoint at {str(path)!r}."
+        )
+    if not ocp.utils.is_checkpoint_finalized(path):
+        raise ValueError(
+            f"`mixprec.orbax.restore`: {str(path)!r} is an incomplete checkpoint "
+            "(its save did not finish, or it is the temporary directory of a save "
+            "in progress). Restore an earlier checkpoint."
+        )
+    if leftovers:
+        warnings.warn(
+            f"`mixprec.orbax.restore`: a later save into {str(path)!r} did not "
+            f"finish and left {names} beside it; restoring the last complete "
+            "checkpoint. The next `save(..., force=True)` to this path removes "
+            "them.",
+            stacklevel=3,
+        )
 
 
 def _check_structure(

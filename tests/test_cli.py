@@ -116,6 +116,14 @@ def test_precision_aliases_and_lists():
     ]
     args = cli.build_parser().parse_args(["demo", "-w", "all"])
     assert cli.merge(args.workload, ()) == ["digits", "lm"]
+    # float8 is opt-in: not in the default list, in "all", aliases f8/fp8.
+    assert "mixed_float8" not in cli.merge(args.precision, cli.DEMO_PRECISIONS)
+    args = cli.build_parser().parse_args(["demo", "-p", "f32,fp8"])
+    assert cli.merge(args.precision, ()) == ["float32", "mixed_float8"]
+    args = cli.build_parser().parse_args(["demo", "-p", "all"])
+    assert cli.merge(args.precision, ()) == list(cli.PRECISIONS)
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["bench", "-p", "f8"])
 
 
 def test_one_parser_dispatches_every_command():

@@ -500,6 +500,9 @@ def test_demo_says_why_a_run_is_slower():
     forced = capability.Capability(True, "MIXPREC_CPU_BF16", "set to native")
     (why,) = report.speed_notes(slow, platform="cpu", cpu_bf16=forced)
     assert "bfloat16 GEMMs were forced" in why and "MIXPREC_CPU_BF16=native" in why
+    fp8 = [_run("float32", 1.0), _run("mixed_float8", 2.0)]
+    (why,) = report.speed_notes(fp8, platform="cpu", cpu_bf16=native)
+    assert "no float8 arithmetic" in why
     manual = [_run("float32", 1.0), _run("mixed_bfloat16", 1.2, "manual")]
     (why,) = report.speed_notes(manual, platform="cpu", cpu_bf16=native)
     assert "hand-written casting" in why

@@ -296,6 +296,24 @@ def test_mixed_reaches_float32_accuracy(
 
 
 @pytest.mark.standard_promotion
+def test_float8_reaches_float32_accuracy(digits_small, float32_run):
+    ref = float32_run
+    run = train.train(digits_small, "mixed_float8", steps=STEPS)
+    assert run.mechanism == "autocast" and run.error is None
+    # The two hidden layers (128 rows, 784/128 in, 128 out) run in float8, the
+    # 10-class output layer stays bfloat16 (10 is not a multiple of 16).
+    assert run.float8_flop_fraction is not None and run.float8_flop_fraction > 0.9
+    assert all(map(math.isfinite, run.losses)) and run.skipped_steps == 0
+    assert run.eval_accuracy >= ref.eval_accuracy - ACC_MARGIN
+    assert abs(run.eval_loss - ref.eval_loss) < LOSS_MARGIN
+    # float8 residuals: a quarter of float32's bytes for the dots' operands.
+    assert run.memory["residual_bytes"] < ref.memory["residual_bytes"]
+    assert run.loss_scaling == "NoOpLossScale"
+    with pytest.raises(NotImplementedError, match="through `mixprec.autocast` only"):
+        train.model_fn(digits_small, "mixed_float8", "manual")
+
+
+@pytest.mark.standard_promotion
 @pytest.mark.parametrize("optax_wrapper", [True, False])
 def test_float16_overflow_skips_and_backs_off(monkeypatch, optax_wrapper):
     """Too large an initial scale overflows float16: steps are skipped, scale halves."""

@@ -21,7 +21,18 @@ hypothesis.settings.load_profile("mixprec")
 F32_MAX = float(np.finfo(np.float32).max)
 
 
-def reference_run(flags, *, init, period, growth, backoff, min_scale, max_scale, n_bad):
+def reference_run(
+    flags,
+    *,
+    init,
+    period,
+    growth,
+    backoff,
+    min_scale,
+    max_scale,
+    n_bad,
+    consecutive=False,
+):
     """A plain-Python model of DynamicLossScale, in float32 arithmetic."""
     scale, counter, bad = np.float32(init), 0, 0
     trace = []
@@ -34,6 +45,8 @@ def reference_run(flags, *, init, period, growth, backoff, min_scale, max_scale,
                     scale = min(grown, np.float32(max_scale))
                 bad = 0
             counter = (counter + 1) % period
+            if consecutive:
+                bad = 0  # a finite step ends the run of non-finite ones
         else:
             bad += 1
             if bad >= n_bad:
@@ -41,7 +54,9 @@ def reference_run(flags, *, init, period, growth, backoff, min_scale, max_scale,
                     np.float32(scale * np.float32(backoff)), np.float32(min_scale)
                 )
                 bad = 0
-            counter = 0
+                counter = 0
+            elif not consecutive:
+                counter = 0  # TF1: any non-finite step restarts the growth count
         trace.append((float(scale), counter))
     return trace
 
@@ -56,6 +71,7 @@ configs = st.fixed_dictionaries(
         "min_loss_scale": st.sampled_from([1.0, 0.5, 2.0**3]),
         "max_loss_scale": st.sampled_from([None, 2.0**20]),
         "nonfinite_before_backoff": st.integers(1, 3),
+        "consecutive_nonfinite": st.booleans(),
     }
 )
 
@@ -72,11 +88,14 @@ def _reference_args(cfg):
         min_scale=cfg["min_loss_scale"],
         max_scale=max_scale,
         n_bad=cfg["nonfinite_before_backoff"],
+        consecutive=cfg["consecutive_nonfinite"],
     )
 
 
 def _make(cfg):
     cfg = dict(cfg)
+    if cfg["nonfinite_before_backoff"] == 1:
+        cfg["consecutive_nonfinite"] = False  # only meaningful with N > 1
     if cfg["max_loss_scale"] is not None and cfg["max_loss_scale"] < cfg["init"]:
         cfg["max_loss_scale"] = None
     init = cfg.pop("init")
@@ -108,6 +127,8 @@ def test_state_machine_matches_reference_eager_and_jit(cfg, flags):
         "min_loss_scale",
         "max_loss_scale",
         "growth_factor",
+        "nonfinite_before_backoff",
+        "consecutive_nonfinite",
     ):
         assert getattr(jit_state, field) == getattr(ls, field)
 
@@ -184,6 +205,35 @@ def test_nonfinite_before_backoff_tf1():
     assert float(one.loss_scale) == 64.0 and int(one.nonfinite_counter) == 1
     two = one.adjust(False)
     assert float(two.loss_scale) == 32.0 and int(two.nonfinite_counter) == 0
+
+
+def test_consecutive_nonfinite_ignores_isolated_faults():
+    ls = DynamicLossScale(
+        64.0, period=3, nonfinite_before_backoff=2, consecutive_nonfinite=True
+    )
+    # JMP's leaves plus the non-finite counter, as with TF1's rule.
+    leaves = jax.tree.leaves(ls)
+    assert [x.dtype for x in leaves] == [jnp.float32, jnp.int32, jnp.int32]
+    # finite, inf, finite, finite: the isolated inf neither backs off nor
+    # restarts the growth count, so the third finite step grows the scale.
+    s = ls
+    for finite in (True, False, True):
+        s = s.adjust(jnp.array(finite))
+        assert float(s.loss_scale) == 64.0
+    assert int(s.counter) == 2 and int(s.nonfinite_counter) == 0
+    s = s.adjust(jnp.array(True))
+    assert float(s.loss_scale) == 128.0
+    # Two in a row back off, and restart the growth count.
+    s = s.adjust(jnp.array(True)).adjust(jnp.array(False))
+    assert float(s.loss_scale) == 128.0 and int(s.counter) == 1
+    s = s.adjust(jnp.array(False))
+    assert float(s.loss_scale) == 64.0 and int(s.counter) == 0
+    # TF1's rule counts non-finite steps since the last change of scale: two
+    # isolated ones back off.
+    tf1 = DynamicLossScale(64.0, period=100, nonfinite_before_backoff=2)
+    for finite in (False, True, True, False):
+        tf1 = tf1.adjust(jnp.array(finite))
+    assert float(tf1.loss_scale) == 32.0
 
 
 def test_pytree_leaves_are_jmp_layout_and_config_survives():
@@ -327,6 +377,16 @@ def test_noop_has_no_leaves_and_scale_one():
             dict(loss_scale=1.0, nonfinite_before_backoff=0),
             ValueError,
             r"nonfinite_before",
+        ),
+        (
+            dict(loss_scale=1.0, consecutive_nonfinite=True),
+            ValueError,
+            r"consecutive_nonfinite=True.*needs `nonfinite_before_backoff > 1`",
+        ),
+        (
+            dict(loss_scale=1.0, nonfinite_before_backoff=2, consecutive_nonfinite=1),
+            TypeError,
+            r"consecutive_nonfinite=.*must be a bool",
         ),
     ],
 )

@@ -121,3 +121,203 @@ def test_sharded_target_restores_sharded(tmp_path):
     mpk.save(tmp_path / "s", {"x": x})
     out = mpk.restore(tmp_path / "s", {"x": x}, dtype=jnp.bfloat16)
     assert out["x"].sharding == sharding and out["x"].dtype == jnp.bfloat16
+
+
+# ---- restoring into float16 ---------------------------------------------------
+
+
+def _f16_loss(params, x, y):
+    pred = x.astype(jnp.float16) @ params["w"].astype(jnp.float16)
+    return jnp.mean((pred.astype(jnp.float32) - y) ** 2)
+
+
+@pytest.mark.standard_promotion  # optax's momentum update
+@pytest.mark.parametrize("low", [jnp.float16, jnp.bfloat16])
+def test_restore_whole_state_into_low_precision_keeps_the_loss_scale(tmp_path, low):
+    # TF1's recipe: a float32 checkpoint restored into a low-precision model.
+    # 65536 is inf in float16: the scale and its counters must not be cast.
+    opt = mpo.loss_scaled(
+        optax.sgd(0.01, momentum=0.9), mixprec.DynamicLossScale(2.0**16, period=3)
+    )
+    x, y = _data()
+    y = y / 64  # small residuals: 2**16 times the loss fits float16's backward
+    params = {"w": jnp.zeros((8, 2))}
+    state = {"params": params, "opt": opt.init(params), "step": jnp.int32(5)}
+    mpk.save(tmp_path / "c", state)
+    out = mpk.restore(tmp_path / "c", state, dtype=low)
+    ls = out["opt"].loss_scale
+    assert ls.loss_scale.dtype == jnp.float32 and float(ls.loss_scale) == 2.0**16
+    assert ls.counter.dtype == jnp.int32 and ls.period == 3
+    assert out["opt"].num_skipped.dtype == jnp.int32
+    assert out["step"].dtype == jnp.int32 and int(out["step"]) == 5
+    assert_tree_dtypes(out["params"], low)
+    assert_tree_dtypes(out["opt"].inner_state, low)
+    # And it trains: no step is skipped, the scale stays finite.
+    p, s = out["params"], out["opt"]
+    loss0 = float(_f16_loss(p, x, y))
+    for _ in range(4):
+        _, g, _ = mixprec.value_and_grad(_f16_loss)(p, x, y, loss_scale=s)
+        u, s = opt.update(g, s, p)
+        p = optax.apply_updates(p, u)
+    assert int(s.num_skipped) == 0 and float(s.loss_scale.loss_scale) == 2.0**17
+    assert float(_f16_loss(p, x, y)) < loss0
+
+
+def test_restore_overflow_names_the_path_and_value(tmp_path):
+    state = {
+        "params": {"w": jnp.array([1.0, 70144.0, -1e6, jnp.inf]), "b": jnp.ones(2)},
+        "scale": mixprec.DynamicLossScale(2.0**16),
+    }
+    mpk.save(tmp_path / "c", state)
+    msg = (
+        r"(?s)'params/w': 70144\.0 at index \(1,\) does not fit in float16 "
+        r"\(largest 65504\); 2 value\(s\).*saturate=True"
+    )
+    with pytest.raises(ValueError, match=msg):
+        mpk.restore(tmp_path / "c", state, dtype=jnp.float16)
+    # The same through a float16 target instead of `dtype=`.
+    with pytest.raises(ValueError, match=msg):
+        mpk.restore(tmp_path / "c", mixprec.cast_tree(state, jnp.float16))
+    # Nothing changed: the checkpoint restores as saved into float32.
+    back = mpk.restore(tmp_path / "c", state)
+    np.testing.assert_array_equal(back["params"]["w"], state["params"]["w"])
+    # Saturating is explicit; an inf that was saved stays inf.
+    out = mpk.restore(tmp_path / "c", state, dtype=jnp.float16, saturate=True)
+    assert out["params"]["w"].dtype == jnp.float16
+    np.testing.assert_array_equal(
+        out["params"]["w"], np.array([1.0, 65504.0, -65504.0, np.inf], np.float16)
+    )
+    assert float(out["scale"].loss_scale) == 2.0**16
+    # bfloat16 has float32's exponent range: the same values fit ...
+    out = mpk.restore(tmp_path / "c", state, dtype=jnp.bfloat16)
+    assert float(out["params"]["w"][1]) == 70144.0
+    # ... up to rounding at the very top.
+    mpk.save(tmp_path / "top", {"x": jnp.array([np.finfo(np.float32).max])})
+    with pytest.raises(ValueError, match=r"'x': 3\.40282\d*e\+38 .*bfloat16"):
+        mpk.restore(tmp_path / "top", {"x": jnp.zeros(1)}, dtype=jnp.bfloat16)
+
+
+def test_restore_of_a_missing_checkpoint_says_so(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint at .*nothing'\.$"):
+        mpk.restore(tmp_path / "nothing", {"x": jnp.zeros(1)})
+
+
+def test_replace_refuses_without_force_and_keeps_the_old(tmp_path):
+    mpk.save(tmp_path / "c", {"x": jnp.zeros(2)})
+    with pytest.raises(ValueError, match=r"already exists.*force=True"):
+        mpk.save(tmp_path / "c", {"x": jnp.ones(2)})
+    mpk.save(tmp_path / "c", {"x": jnp.ones(2)}, force=True)
+    out = mpk.restore(tmp_path / "c", {"x": jnp.zeros(2)})
+    np.testing.assert_array_equal(out["x"], [1.0, 1.0])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]  # no leftovers
+
+
+# ---- a save killed midway -----------------------------------------------------
+
+_CHILD = """
+import sys, time
+import jax, jax.numpy as jnp
+import mixprec.orbax as mpk
+
+path, force = sys.argv[1], sys.argv[2] == "force"
+
+
+def pause(event, duration, **kwargs):
+    # orbax's commit thread reports this once the data is written and before
+    # the temporary directory is renamed into place.
+    if event == "/jax/checkpoint/write/async/commit_duration_sec":
+        print("PAUSED", flush=True)
+        time.sleep(600)
+
+
+jax.monitoring.register_event_duration_secs_listener(pause)
+mpk.save(path, {"w": jnp.full((64, 64), 2.0), "step": jnp.int32(2)}, force=force)
+print("DONE", flush=True)
+"""
+
+
+def _kill_mid_save(tmp_path, path, force):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    script = tmp_path / "child.py"
+    script.write_text(_CHILD)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(path), "force" if force else "new"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
+    timer = threading.Timer(120, proc.kill)  # bounded whatever happens
+    timer.start()
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline().strip()
+        assert line == "PAUSED", (
+            f"the child did not pause mid-save (got {line!r}); orbax no longer "
+            "reports the commit event this test waits for"
+        )
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        assert proc.returncode == -signal.SIGKILL
+    finally:
+        timer.cancel()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def _v1():
+    return {"w": jnp.full((64, 64), 1.0), "step": jnp.int32(1)}
+
+
+def test_save_killed_while_replacing_keeps_the_previous_checkpoint(tmp_path):
+    path = tmp_path / "ckpt"
+    mpk.save(path, _v1())
+    _kill_mid_save(tmp_path, path, force=True)
+    # orbax's own `force` deletes the old checkpoint before writing: nothing
+    # would be left. The previous checkpoint is intact and restores ...
+    leftovers = [p for p in tmp_path.iterdir() if p.name.startswith("ckpt.")]
+    assert leftovers, "the killed save left its partial data"
+    with pytest.warns(
+        UserWarning, match=r"did not finish and left \['ckpt\.mixprec-new"
+    ):
+        out = mpk.restore(path, _v1())
+    np.testing.assert_array_equal(out["w"], _v1()["w"])
+    assert int(out["step"]) == 1
+    # ... the partial one is detected, never read as a checkpoint ...
+    for partial in leftovers:
+        with pytest.raises((ValueError, FileNotFoundError), match="incomplete|did not"):
+            mpk.restore(partial, _v1())
+    # ... and the next save replaces the checkpoint and clears the leftovers.
+    mpk.save(path, {"w": jnp.full((64, 64), 3.0), "step": jnp.int32(3)}, force=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["child.py", "ckpt"]
+    assert int(mpk.restore(path, _v1())["step"]) == 3
+
+
+def test_save_killed_before_its_first_commit_is_detected(tmp_path):
+    mpk.save(tmp_path / "step1", _v1())
+    _kill_mid_save(tmp_path, tmp_path / "step2", force=False)
+    with pytest.raises(FileNotFoundError, match=r"save did not finish.*step2\.orbax"):
+        mpk.restore(tmp_path / "step2", _v1())
+    assert int(mpk.restore(tmp_path / "step1", _v1())["step"]) == 1
+
+
+def test_swap_interrupted_between_renames_names_both(tmp_path):
+    # The one moment `save(..., force=True)` leaves no checkpoint at the path:
+    # between renaming the old one away and the new one into place.
+    path = tmp_path / "ckpt"
+    mpk.save(path, _v1())
+    mpk.save(tmp_path / "ckpt.mixprec-new", {**_v1(), "step": jnp.int32(2)})
+    path.rename(tmp_path / "ckpt.mixprec-old")
+    with pytest.raises(FileNotFoundError, match=r"(?s)swapping.*ckpt\.mixprec-old"):
+        mpk.restore(path, _v1())
+    assert int(mpk.restore(tmp_path / "ckpt.mixprec-old", _v1())["step"]) == 1
+    assert int(mpk.restore(tmp_path / "ckpt.mixprec-new", _v1())["step"]) == 2

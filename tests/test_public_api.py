@@ -32,6 +32,7 @@ EXPECTED = {
     "modify_mixlist",
     "OpLists",
     "default_op_lists",
+    "Float8Recipe",
     # training
     "value_and_grad",
     "grad",

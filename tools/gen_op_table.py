@@ -41,6 +41,8 @@ _FLAGS = {
     ops.VIEW: "view: moves data, keeps a value's broadcast mark",
     ops.BROADCASTS: "broadcasts: an operand it broadcasts is cast after the "
     "broadcast, so its gradient is summed in the wider dtype",
+    ops.FLOAT8: "float8: under a policy with a float8 recipe (`mixed_float8`) it "
+    "runs in float8, scaled (see float8.md)",
 }
 
 

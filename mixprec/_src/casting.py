@@ -100,6 +100,26 @@ def _keeps_dtypes(x: Any) -> bool:
     return getattr(type(x), "_mixprec_keep_dtypes", False)
 
 
+def castable_mask(tree: Any) -> Any:
+    """``tree`` with each leaf replaced by whether `cast_tree` may cast it.
+
+    ``False`` for every leaf inside a loss scale, ``True`` elsewhere: the rule
+    `cast_tree` follows, for code that casts leaf by leaf (a checkpoint
+    restore) rather than through `cast_tree`.
+
+    Examples:
+        >>> from mixprec._src.loss_scale import DynamicLossScale
+        >>> mask = castable_mask({"w": jnp.ones(2), "ls": DynamicLossScale(2.0**16)})
+        >>> mask["w"], jax.tree.leaves(mask["ls"])
+        (True, [False, False])
+    """
+    return jax.tree.map(
+        lambda x: jax.tree.map(lambda _: False, x) if _keeps_dtypes(x) else True,
+        tree,
+        is_leaf=_keeps_dtypes,
+    )
+
+
 def half_dtype() -> np.dtype:
     """The 16-bit float of the default backend: bfloat16 on TPU, float16 elsewhere.
 

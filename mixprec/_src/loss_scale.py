@@ -370,7 +370,12 @@ class DynamicLossScale(LossScale):
     multiplied by the backoff factor (but never below ``min_loss_scale``) and
     the run of finite steps starts again. With ``nonfinite_before_backoff=N``
     (TF1's ``decr_every_n_nan_or_inf``) the scale backs off only on every N-th
-    non-finite step, counted since the last change of scale.
+    non-finite step, counted since the last change of scale. With
+    ``consecutive_nonfinite=True`` as well, only N non-finite steps *in a row*
+    back off: a shorter run (a spurious inf from one bad batch) is skipped by
+    the optimizer and otherwise ignored, neither backing off nor restarting the
+    count towards the next growth. A scale that is really too large overflows
+    on every step and still backs off after N of them.
 
     The pytree leaves are ``[loss_scale, counter]`` (JMP's layout), plus the
     non-finite counter when ``nonfinite_before_backoff > 1``; every other field
@@ -380,7 +385,7 @@ class DynamicLossScale(LossScale):
         loss_scale: the initial scale, a finite number > 0. Stored as float32
             whatever the compute dtype (a float16 scale is accepted; an
             integer one too, with JMP's warning).
-        counter: consecutive finite steps so far (``0 <= counter < period``).
+        counter: finite steps towards the next growth (``0 <= counter < period``).
         period: finite steps between two growths (``>= 1``; an integral float
             such as ``5.0`` is accepted, as in JMP).
         factor: JMP's single factor: grow by ``factor``, back off by
@@ -395,8 +400,13 @@ class DynamicLossScale(LossScale):
         max_loss_scale: the scale never grows above this (default: the largest
             float32).
         nonfinite_before_backoff: back off on every N-th non-finite step.
-        nonfinite_counter: non-finite steps since the last change of scale;
-            ``None`` unless ``nonfinite_before_backoff > 1``.
+        consecutive_nonfinite: count only non-finite steps in a row towards
+            ``nonfinite_before_backoff``, and let a shorter run leave the
+            growth count alone (needs ``nonfinite_before_backoff > 1``).
+        nonfinite_counter: non-finite steps counted towards the next backoff
+            (since the last change of scale, or in a row with
+            ``consecutive_nonfinite``); ``None`` unless
+            ``nonfinite_before_backoff > 1``.
 
     Examples:
         >>> ls = DynamicLossScale(2.0**15, period=2)
@@ -421,6 +431,7 @@ class DynamicLossScale(LossScale):
     max_loss_scale: float | None = _static(None)
     nonfinite_before_backoff: int = _static(1)
     nonfinite_counter: ArrayLike | None = None
+    consecutive_nonfinite: bool = _static(False)
 
     def __post_init__(self):
         cls = "DynamicLossScale"
@@ -466,6 +477,17 @@ class DynamicLossScale(LossScale):
             integer=True,
             minimum=1,
         )
+        if not isinstance(self.consecutive_nonfinite, bool):
+            raise TypeError(
+                f"`{cls}(consecutive_nonfinite=...)` must be a bool, got "
+                f"{self.consecutive_nonfinite!r}."
+            )
+        if self.consecutive_nonfinite and self.nonfinite_before_backoff == 1:
+            raise ValueError(
+                f"`{cls}(consecutive_nonfinite=True)` needs "
+                "`nonfinite_before_backoff > 1` (with 1, every non-finite step "
+                "backs off), e.g. `nonfinite_before_backoff=2`."
+            )
         if self.nonfinite_before_backoff > 1 and self.nonfinite_counter is None:
             set_("nonfinite_counter", np.zeros((), np.int32))
         if self.nonfinite_before_backoff == 1 and self.nonfinite_counter is not None:
@@ -536,20 +558,29 @@ class DynamicLossScale(LossScale):
         )
 
         nonfinite_counter = self.nonfinite_counter
+        # Bounded by `period`, so the counter cannot overflow.
+        after_nonfinite_counter = jnp.zeros((), jnp.int32)
         if nonfinite_counter is None:
             after_nonfinite = backed_off
         else:
             bad = jnp.asarray(nonfinite_counter, jnp.int32) + 1
             backoff_now = bad >= self.nonfinite_before_backoff
             after_nonfinite = jnp.where(backoff_now, backed_off, scale)
-            # Reset when the scale changes in either direction.
-            reset = jnp.where(finite, grow_now, backoff_now)
+            if self.consecutive_nonfinite:
+                # A finite step ends the run; a run too short to back off is
+                # ignored, so the growth count carries on past it.
+                reset = jnp.logical_or(finite, backoff_now)
+                after_nonfinite_counter = jnp.where(backoff_now, 0, counter)
+            else:
+                # TF1: reset when the scale changes in either direction.
+                reset = jnp.where(finite, grow_now, backoff_now)
             counted = jnp.where(finite, bad - 1, bad)
             nonfinite_counter = jnp.where(reset, 0, counted).astype(jnp.int32)
 
         new_scale = jnp.where(finite, after_finite, after_nonfinite)
-        # Bounded by `period`, so the counter cannot overflow.
-        new_counter = jnp.where(finite, (counter + 1) % self.period, 0)
+        new_counter = jnp.where(
+            finite, (counter + 1) % self.period, after_nonfinite_counter
+        )
         return dataclasses.replace(
             self,
             loss_scale=new_scale,

@@ -4,6 +4,11 @@ A :class:`Policy` is static configuration (a frozen, hashable dataclass, not a
 pytree), so it can be a ``jit`` static argument or a dict key. It parses from
 JMP's strings (``"p=f32,c=bf16,o=f32"``) and Keras's names
 (``"mixed_bfloat16"``), and ``str(policy)`` parses back to an equal policy.
+
+A policy may also carry a :class:`~mixprec.Float8Recipe` (``"mixed_float8"``):
+autocast then runs matmuls and convolutions in float8, scaled, and everything
+else as the policy's dtypes say. Only autocast reads it; ``cast_to_compute``
+and the other casts use the dtypes alone.
 """
 
 import contextlib
@@ -18,6 +23,7 @@ from jax.typing import DTypeLike
 
 from . import casting
 from ._errors import format_choices, suggest
+from .float8 import Float8Recipe
 
 
 T = TypeVar("T")
@@ -81,6 +87,9 @@ _KERAS_POLICIES = {
     "mixed_float16": ("float32", "float16", "float32"),
     "mixed_bfloat16": ("float32", "bfloat16", "float32"),
 }
+# "mixed_float8": matmuls and convolutions in float8 (the default recipe), the
+# rest as "mixed_bfloat16".
+_FLOAT8_POLICIES = {"mixed_float8": ("float32", "bfloat16", "float32")}
 _KEYS = {
     "p": "param",
     "params": "param",
@@ -88,13 +97,19 @@ _KEYS = {
     "compute": "compute",
     "o": "output",
     "output": "output",
+    "f8": "float8",
+    "float8": "float8",
 }
 
 
 def _parse_dtype(name: str, *, spec: str, whole: bool = False) -> np.dtype:
     key = name.strip().lower()
     if key not in _DTYPE_NAMES:
-        valid = [*_DTYPE_NAMES, *_KERAS_POLICIES] if whole else list(_DTYPE_NAMES)
+        valid = (
+            [*_DTYPE_NAMES, *_KERAS_POLICIES, *_FLOAT8_POLICIES]
+            if whole
+            else list(_DTYPE_NAMES)
+        )
         try:  # Any other floating dtype NumPy knows, e.g. "float8_e4m3fn".
             dtype = np.dtype(jnp.dtype(key))
             if jnp.issubdtype(dtype, jnp.floating):
@@ -121,7 +136,11 @@ class Policy:
         compute_dtype: the dtype the computation runs in.
         output_dtype: the dtype of the function's outputs.
 
-    Each accepts a NumPy dtype, a ``jnp`` scalar type or a name
+        float8: a :class:`~mixprec.Float8Recipe` under which autocast runs
+            matmuls and convolutions in float8 (``None``: it does not). The
+            casts of this class ignore it.
+
+    Each dtype accepts a NumPy dtype, a ``jnp`` scalar type or a name
     (``"bfloat16"``, ``"bf16"``, ``"half"``, ...) and is stored as an ``np.dtype``,
     so equal dtypes given in different forms make equal, equally hashed policies.
 
@@ -135,17 +154,22 @@ class Policy:
         >>> params = {"w": jnp.ones(2), "step": jnp.array(0)}
         >>> policy.cast_to_compute(params)["w"].dtype
         dtype(bfloat16)
+        >>> str(Policy("f32", "bf16", "f32", float8=Float8Recipe("rowwise")))
+        'p=f32,c=bf16,o=f32,f8=rowwise'
     """
 
     param_dtype: np.dtype
     compute_dtype: np.dtype
     output_dtype: np.dtype
+    float8: Float8Recipe | None = None
 
     def __init__(
         self,
         param_dtype: DTypeLike,
         compute_dtype: DTypeLike,
         output_dtype: DTypeLike,
+        *,
+        float8: Float8Recipe | str | None = None,
     ):
         given = dict(
             param_dtype=param_dtype,
@@ -158,6 +182,14 @@ class Policy:
             else:
                 dtype = casting.canonical_float_dtype(value, argname=field)
             object.__setattr__(self, field, dtype)
+        if isinstance(float8, str):
+            float8 = Float8Recipe.parse(float8)
+        if float8 is not None and not isinstance(float8, Float8Recipe):
+            raise TypeError(
+                "Expected `Policy(..., float8=...)` to be a mixprec.Float8Recipe, a "
+                f"recipe name such as 'tensorwise', or None, got {float8!r} instead."
+            )
+        object.__setattr__(self, "float8", float8)
 
     def cast_to_param(self, x: T) -> T:
         """Casts floating array leaves of ``x`` to :attr:`param_dtype`.
@@ -213,14 +245,24 @@ class Policy:
         """
         return dataclasses.replace(self, output_dtype=output_dtype)
 
+    def with_float8(self, float8: "Float8Recipe | str | None") -> "Policy":
+        """Returns a copy with the float8 recipe replaced (``None``: no float8).
+
+        Examples:
+            >>> str(get_policy("mixed_bfloat16").with_float8("rowwise"))
+            'p=f32,c=bf16,o=f32,f8=rowwise'
+        """
+        return dataclasses.replace(self, float8=float8)
+
     def __str__(self) -> str:
         def name(dtype: np.dtype) -> str:
             return dtype_to_names.get(dtype, (dtype.name,))[0]
 
-        return (
+        text = (
             f"p={name(self.param_dtype)},c={name(self.compute_dtype)},"
             f"o={name(self.output_dtype)}"
         )
+        return text if self.float8 is None else f"{text},f8={self.float8}"
 
 
 def get_policy(spec: "str | Policy") -> Policy:
@@ -236,6 +278,10 @@ def get_policy(spec: "str | Policy") -> Policy:
     * Keras's: ``mixed_float16`` and ``mixed_bfloat16`` (float32 params and
       outputs, 16-bit compute); ``float32``, ``float16``, ``bfloat16`` set all
       three.
+    * ``mixed_float8``: ``mixed_bfloat16`` whose matmuls and convolutions
+      autocast runs in float8 with the default :class:`~mixprec.Float8Recipe`
+      (tensorwise current scaling). The key ``f8`` (``float8``) adds a recipe to
+      a JMP string: ``"p=f32,c=bf16,o=f32,f8=rowwise"``.
 
     Args:
         spec: the policy string, or a ``Policy``.
@@ -255,6 +301,8 @@ def get_policy(spec: "str | Policy") -> Policy:
         'p=f32,c=f16,o=f32'
         >>> str(get_policy("bf16"))
         'p=bf16,c=bf16,o=bf16'
+        >>> str(get_policy("mixed_float8"))
+        'p=f32,c=bf16,o=f32,f8=tensorwise'
     """
     if isinstance(spec, Policy):
         return spec
@@ -266,32 +314,44 @@ def get_policy(spec: "str | Policy") -> Policy:
     text = spec.strip()
     if text.lower() in _KERAS_POLICIES:
         return Policy(*_KERAS_POLICIES[text.lower()])
+    if text.lower() in _FLOAT8_POLICIES:
+        return Policy(*_FLOAT8_POLICIES[text.lower()], float8=Float8Recipe())
     if "=" not in text:
         dtype = _parse_dtype(text, spec=spec, whole=True)
         return Policy(dtype, dtype, dtype)
 
     dtypes: dict[str, np.dtype] = {}
+    float8: Float8Recipe | None = None
     for part in text.split(","):
-        if part.count("=") != 1:
+        head = part.partition("=")[0].strip().lower()
+        if part.count("=") != 1 and not (
+            part.count("=") > 1 and _KEYS.get(head) == "float8"
+        ):
             raise ValueError(
                 f"`get_policy({spec!r})`: expected comma-separated `key=dtype` "
                 f"pairs such as 'p=f32,c=bf16,o=f32', got the part {part!r}."
             )
-        key, value = (s.strip().lower() for s in part.split("="))
+        key, value = (s.strip().lower() for s in part.split("=", 1))
         if key not in _KEYS:
             raise ValueError(
                 f"`get_policy({spec!r})`: Unknown key {key!r}.{suggest(key, _KEYS)} "
                 f"Valid keys are {format_choices(_KEYS)}."
             )
-        if _KEYS[key] in dtypes:
+        if _KEYS[key] in dtypes or (_KEYS[key] == "float8" and float8 is not None):
             raise ValueError(
                 f"`get_policy({spec!r})`: the {_KEYS[key]} dtype is given twice."
             )
+        if _KEYS[key] == "float8":
+            try:
+                float8 = Float8Recipe.parse(value)
+            except ValueError as e:
+                raise ValueError(f"`get_policy({spec!r})`: {e}") from None
+            continue
         dtypes[_KEYS[key]] = _parse_dtype(value, spec=spec)
     param = dtypes.get("param", np.dtype(jnp.float32))
     compute = dtypes.get("compute", param)
     output = dtypes.get("output", compute)
-    return Policy(param, compute, output)
+    return Policy(param, compute, output, float8=float8)
 
 
 # The process-wide policy, and a per-thread stack of scoped overrides.

@@ -23,6 +23,18 @@ from .loss_scale import LossScale, all_finite
 
 __all__ = ["grad", "value_and_grad"]
 
+# Checks of an optimizer state passed as `loss_scale=`, registered by the
+# integrations (mixprec.optax refuses `optax.MultiSteps(loss_scaled(...))`), so
+# that this module imports none of them. Each gets the state and the call to
+# name, and raises if the state cannot train correctly.
+_state_checks: list[Callable[[Any, str], None]] = []
+
+
+def register_state_check(check: Callable[[Any, str], None]) -> None:
+    """Adds a check run on every optimizer state passed as ``loss_scale=``."""
+    if check not in _state_checks:
+        _state_checks.append(check)
+
 
 def _find_loss_scale(obj: Any, *, fn_name: str) -> LossScale:
     """Returns ``obj`` if it is a loss scale, else the one loss scale inside it.
@@ -33,6 +45,8 @@ def _find_loss_scale(obj: Any, *, fn_name: str) -> LossScale:
     """
     if isinstance(obj, LossScale):
         return obj
+    for check in _state_checks:
+        check(obj, f"{fn_name}(...)(*args, loss_scale=opt_state)")
     found = [
         leaf
         for leaf in jax.tree.leaves(obj, is_leaf=lambda x: isinstance(x, LossScale))

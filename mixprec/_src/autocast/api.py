@@ -64,6 +64,7 @@ class _Entry:
     out_static: dict[int, Any]
     n_out: int
     transformed: Any
+    source: Any  # the traced jaxpr that `transformed` was built from
 
 
 class _Cache:
@@ -198,6 +199,7 @@ def _build(
         out_static=out_info["static"],
         n_out=out_info["n"],
         transformed=transformed,
+        source=closed,
     )
 
 
@@ -256,7 +258,8 @@ def trace_transformed(
 
     Arguments may be ``jax.ShapeDtypeStruct``\\ s. ``observer`` sees every
     decision of the walk that builds it (``mixprec.explain``). Returns the
-    closed jaxpr.
+    transformed closed jaxpr and the traced one it was built from (whose
+    equations the observer saw).
     """
     leaves, treedef = jax.tree.flatten((args, kwargs))
     dyn_idx = [
@@ -267,7 +270,7 @@ def trace_transformed(
     entry = _build(
         fn, config, leaves, treedef, dyn_idx, _current_region(), observer=observer
     )
-    return entry.transformed
+    return entry.transformed, entry.source
 
 
 def autocast(

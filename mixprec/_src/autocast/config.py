@@ -24,7 +24,8 @@ class CastConfig:
     """What one :func:`mixprec.autocast` transform was asked to do.
 
     Attributes:
-        policy: the :class:`mixprec.Policy` in effect.
+        policy: the :class:`mixprec.Policy` in effect (with its float8 recipe,
+            if any: allow-list products then run in float8).
         mode: the precision mode (see ``mixprec._src.autocast.modes``).
         lists: the :class:`~mixprec.OpLists` (allow / deny / infer / clear).
         low_dtype: the dtype allow-list ops run in (the policy's compute dtype,

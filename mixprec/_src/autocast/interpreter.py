@@ -19,10 +19,13 @@ transformed jaxpr is traced. ``mixprec.diagnose`` runs the walk on concrete
 equation also runs as written on the reference, loops are stepped and branches
 taken concretely, and the observer compares the two.
 
-Per variable the walk keeps two marks: ``FOLLOWS`` (broadcast into its consumers:
-a bias, a scale, a scalar) and ``CONST`` (computed from constants only). The
-first decides which operands anchor a gray op; the second makes casts of
-constants saturate.
+Per variable the walk keeps four marks: ``FOLLOWS`` (broadcast into its
+consumers: a bias, a scale, a scalar), ``STAT`` (a statistic: computed from a
+reduction, like a mean or a variance; it is never a follower, even broadcast),
+``CONST`` (computed from constants only) and ``GRAD`` (a gradient: computed in a
+backward pass from the loss's cotangent). The first two decide which operands
+anchor a gray op; ``CONST`` makes casts of constants saturate; ``GRAD`` sends a
+float8 matmul's gradient operand to ``float8_e5m2``.
 """
 
 from __future__ import annotations
@@ -41,14 +44,16 @@ from jax.extend import source_info_util as siu
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal
 
 from mixprec._src import _compat
-from mixprec._src.autocast import ops, regions
+from mixprec._src.autocast import float8_dots, ops, regions
 from mixprec._src.autocast.config import CastConfig
-from mixprec._src.autocast.decide import Decision, Precision, decide
+from mixprec._src.autocast.decide import Decision, Precision, decide, has_float32_range
 
 
 __all__ = [
     "CONST",
     "FOLLOWS",
+    "GRAD",
+    "STAT",
     "CastContext",
     "Dual",
     "Observer",
@@ -65,6 +70,26 @@ _F32 = np.dtype(np.float32)
 FOLLOWS = 1
 #: The value is computed from literals and constants only.
 CONST = 2
+#: The value is a statistic: a reduction, or computed from reductions and
+#: constants only (a mean, a variance, 1/sqrt(var + eps), a max).
+STAT = 4
+#: The value is a gradient: computed in a backward pass from the cotangent
+#: that starts it (a constant such as the ``1.0`` of ``jax.grad``).
+GRAD = 8
+
+# Reductions whose results are statistics of their operand.
+_REDUCTIONS = frozenset(
+    {
+        "reduce_sum",
+        "reduce_max",
+        "reduce_min",
+        "reduce_prod",
+        "psum",
+        "psum_invariant",
+        "pmax",
+        "pmin",
+    }
+)
 
 
 class Dual(NamedTuple):
@@ -252,10 +277,15 @@ class Walk:
         flags = spec.flags if spec is not None and not self.composite else frozenset()
         out_aval: Any = eqn.outvars[0].aval if eqn.outvars else None
         out_shape = getattr(out_aval, "shape", ())
+        # In a backward pass under float16, a broadcast cotangent (the
+        # gradient of a sum or a mean) is the gradient signal, often below
+        # float16's normal range: it anchors instead of following.
+        broadcast_follows = not (self.backward and not has_float32_range(cfg.low_dtype))
         operands = tuple(
-            (_float_dtype(x), _follows(v, x, m, out_shape))
+            (_float_dtype(x), _follows(v, x, m, out_shape, broadcast_follows))
             for v, x, m in zip(eqn.invars, invals, marks, strict=True)
         )
+        float8 = _float8_args(cfg, eqn, spec, op_class, marks, out_shape)
         d = decide(
             lookup,
             operands,
@@ -266,6 +296,7 @@ class Walk:
             backward=self.backward,
             high_precision=_asks_high_precision(eqn),
             traced_out=_float_dtype(out_aval) if op_class == "allow" else None,
+            **float8,
         )
         if self.composite:
             return dataclasses.replace(
@@ -276,6 +307,37 @@ class Walk:
                 d, reason=f"mul of a value by itself: {d.reason}"
             )
         return d
+
+
+def _float8_args(
+    cfg: CastConfig,
+    eqn: JaxprEqn,
+    spec: ops.OpSpec | None,
+    op_class: str,
+    marks: Sequence[int],
+    out_shape: Sequence[Any],
+) -> dict[str, Any]:
+    """The float8 arguments of :func:`decide` for ``eqn`` (none without a recipe,
+    or for an op without a float8 formulation)."""
+    recipe = cfg.policy.float8
+    name = eqn.primitive.name
+    if (
+        recipe is None
+        or op_class != "allow"
+        or spec is None
+        or ops.FLOAT8 not in spec.flags
+    ):
+        return {}
+    dims = float8_dots.product_dims(
+        name, [aval_shape(v) for v in eqn.invars], out_shape, eqn.params
+    )
+    size, align = dims if dims is not None else (None, ())
+    return {
+        "float8": recipe,
+        "float8_dims": size,
+        "float8_align": align,
+        "gradients": tuple(bool(m & GRAD) for m in marks),
+    }
 
 
 def _trip(n: Any) -> int:
@@ -329,11 +391,22 @@ def _same_shape(a: Sequence[Any], b: Sequence[Any]) -> bool:
         return False
 
 
-def _follows(var: Any, x: Any, mark: int, out_shape: Sequence[Any]) -> bool:
-    if mark & FOLLOWS:
-        return True
+def _follows(
+    var: Any,
+    x: Any,
+    mark: int,
+    out_shape: Sequence[Any],
+    broadcast_follows: bool = True,
+) -> bool:
+    """Whether an operand follows the others in a gray op (does not anchor it):
+    a weak-typed scalar always; an operand broadcast into the result (a bias, a
+    scale) unless it is a statistic or ``broadcast_follows`` is False."""
     aval = var.aval
     if getattr(aval, "weak_type", False):
+        return True
+    if mark & STAT or not broadcast_follows:
+        return False
+    if mark & FOLLOWS:
         return True
     return not _same_shape(getattr(aval, "shape", ()), out_shape)
 
@@ -477,7 +550,8 @@ def cast_operands(ctx: CastContext, invals: Sequence[Any]) -> list[Any]:
         ]
     if d.dtype is None:
         return list(invals)
-    target = d.dtype
+    # A rule that does not know float8 runs a float8 decision in the low dtype.
+    target = ctx.config.low_dtype if d.precision is Precision.FLOAT8 else d.dtype
     out_shape = aval_shape(eqn.outvars[0]) if eqn.outvars else ()
     spec = ops.spec_for(eqn.primitive.name)
     elementwise = spec is not None and ops.BROADCASTS in spec.flags
@@ -535,10 +609,13 @@ def _broadcast_to(x: Any, shape: Sequence[Any]) -> Any:
 def ran_with(decision: Decision, eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
     """The dtypes the operands of ``eqn`` run in under ``decision``."""
     out = []
-    for x, v in zip(invals, eqn.invars, strict=True):
+    formats = decision.operand_dtypes or ()
+    for i, (x, v) in enumerate(zip(invals, eqn.invars, strict=True)):
         dt = _float_dtype(x)
         if dt is None:
             out.append(getattr(x, "dtype", None) or np.asarray(x).dtype)
+        elif i < len(formats):
+            out.append(formats[i])
         elif decision.precision is Precision.ORIGINAL:
             out.append(np.dtype(aval_dtype(v)))
         elif decision.dtype is not None:
@@ -602,22 +679,46 @@ def _has_jaxpr_params(params: dict[str, Any]) -> bool:
 
 
 def _out_marks(
-    spec: ops.OpSpec | None, eqn: JaxprEqn, marks: Sequence[int], n: int
+    spec: ops.OpSpec | None,
+    eqn: JaxprEqn,
+    marks: Sequence[int],
+    n: int,
+    backward: bool = False,
 ) -> list[int]:
     const = CONST if all(m & CONST for m in marks) else 0
+    grad = 0
+    if backward and (any(m & GRAD for m in marks) or (marks and const)):
+        # A backward pass starts from a constant cotangent (`jax.grad`'s 1.0);
+        # what it computes from that is a gradient, residuals are not.
+        grad = GRAD
+    name = eqn.primitive.name
+    if name in _REDUCTIONS or (
+        marks
+        and any(m & STAT for m in marks)
+        and all(m & (STAT | CONST) for m in marks)
+    ):
+        # A statistic, broadcast or not: never a follower.
+        return [STAT | const | grad] * n
     follows = 0
     if spec is not None and eqn.invars:
-        if eqn.primitive.name == "broadcast_in_dim":
+        if name == "broadcast_in_dim":
             src = aval_shape(eqn.invars[0])
-            if not _same_shape(src, aval_shape(eqn.outvars[0])):
+            if _size(src) != _size(aval_shape(eqn.outvars[0])):
                 follows = FOLLOWS
-            else:
+            else:  # only size-1 dimensions added: a reshape
                 follows = marks[0] & FOLLOWS
         elif ops.VIEW in spec.flags:
             follows = marks[0] & FOLLOWS
     if not eqn.invars and spec is not None and spec.op_class == "clear":
         const = CONST  # iota and friends
-    return [const | follows] * n
+    return [const | follows | grad] * n
+
+
+def _size(shape: Sequence[Any]) -> Any:
+    try:
+        return int(np.prod([int(d) for d in shape]))
+    except Exception:  # noqa: BLE001  (symbolic dimensions)
+        return tuple(shape)
 
 
 _EPILOGUE_OPS = frozenset({"add", "sub"})
@@ -711,7 +812,7 @@ def run_eqn(
         walk.observer.on_eqn(
             walk, eqn, decision, ran_with(decision, eqn, invals), invals, outs
         )
-    return outs, _out_marks(spec, eqn, marks, n_out)
+    return outs, _out_marks(spec, eqn, marks, n_out, walk.backward)
 
 
 def _run_dual(
@@ -753,7 +854,7 @@ def _run_dual(
         walk.observer.on_eqn(
             walk, eqn, decision, ran_with(decision, eqn, mix_in), duals, outs, rerun
         )
-    return outs, _out_marks(spec, eqn, marks, len(outs))
+    return outs, _out_marks(spec, eqn, marks, len(outs), walk.backward)
 
 
 @contextlib.contextmanager

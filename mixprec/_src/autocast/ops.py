@@ -30,6 +30,8 @@ Flags:
 * :data:`BROADCASTS`: an elementwise op whose operands broadcast implicitly
   (scalars, size-1 dimensions): an operand it broadcasts is cast after the
   broadcast, so its gradient is summed in the wider dtype.
+* :data:`FLOAT8`: an allow op with a scaled float8 formulation: under a policy
+  with a float8 recipe it runs in float8 (the others stay in the low dtype).
 
 Composites are nested functions that JAX itself emits as a named ``jit`` or
 ``custom_jvp`` (``jax.nn.log_softmax``, ``jnp.var``, ``jnp.linalg.norm``, ...).
@@ -58,6 +60,7 @@ from mixprec._src._errors import suggest
 
 __all__ = [
     "BROADCASTS",
+    "FLOAT8",
     "register_rule",
     "COMPOSITES",
     "FLOAT32_ONLY",
@@ -81,7 +84,8 @@ FLOAT32_ONLY: Final = "float32_only"
 NARROW_RANGE: Final = "narrow_range"
 VIEW: Final = "view"
 BROADCASTS: Final = "broadcasts"
-FLAGS: Final = frozenset({OPAQUE, FLOAT32_ONLY, NARROW_RANGE, VIEW, BROADCASTS})
+FLOAT8: Final = "float8"
+FLAGS: Final = frozenset({OPAQUE, FLOAT32_ONLY, NARROW_RANGE, VIEW, BROADCASTS, FLOAT8})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,12 +311,14 @@ def_allow(
     f"matmul/einsum: {_PT} lower_precision_fp (matmul, mm, bmm, linear, einsum), "
     f"{_TF} allow (MatMul, BatchMatMulV2, Einsum), {_APEX} FP16_FUNCS (matmul, mm, "
     "addmm, linear); tensor cores and AVX512-BF16 accumulate in float32",
+    flags=[FLOAT8],
 )
 def_allow(
     ["conv_general_dilated"],
     f"convolution: {_PT} lower_precision_fp (conv1d/2d/3d, conv_transpose*), "
     f"{_TF} allow (Conv2D, Conv3D and their backprops), {_APEX} FP16_FUNCS "
     "(conv*, conv_transpose*)",
+    flags=[FLOAT8],
 )
 def_allow(
     ["ragged_dot_general"],

@@ -47,8 +47,15 @@ _PRECISION_ALIASES = {
     "f16": "mixed_float16",
     "fp16": "mixed_float16",
     "float16": "mixed_float16",
+    "mixed_float8": "mixed_float8",
+    "f8": "mixed_float8",
+    "fp8": "mixed_float8",
+    "float8": "mixed_float8",
 }
-PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
+PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16", "mixed_float8")
+# Without `--precision`, the demo runs these (float8 is emulated on CPUs).
+DEMO_PRECISIONS = PRECISIONS[:3]
+BENCH_PRECISIONS = ("mixed_bfloat16", "mixed_float16")
 WORKLOADS = ("digits", "lm")
 BENCH_WORKLOADS = ("mlp", "lm", "cnn")
 BENCH_MECHANISMS = ("manual", "flax", "autocast")
@@ -180,6 +187,9 @@ precisions:
   mixed_float16   float32 weights, float16 compute, float32 outputs, dynamic loss
                   scaling (initial 2^15, doubled after every --loss-scale-period
                   finite steps, halved and the step skipped on inf/NaN gradients)
+  mixed_float8    mixed_bfloat16 with matmuls in float8 (e4m3 forward, e5m2
+                  gradients, tensorwise current scaling), by autocast only; not
+                  run by default (CPUs emulate float8: slower, shown for accuracy)
 
 outputs (in --out): results.md and results.json (the tables and every measured
 number, per-step losses and loss scales included) and demo.png (loss curves and
@@ -248,8 +258,9 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         metavar="NAME[,NAME]",
         help=(
             "precisions to run: float32 (f32), mixed_bfloat16 (bf16), mixed_float16 "
-            "(f16) or all (default: all); repeatable. Speed-ups are reported "
-            "relative to the float32 run, so keep float32 in the list"
+            "(f16), mixed_float8 (f8) or all (default: the first three); "
+            "repeatable. Speed-ups are reported relative to the float32 run, so "
+            "keep float32 in the list"
         ),
     )
     demo.add_argument(
@@ -333,8 +344,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         "-p",
         action="append",
         type=_choice_list(
-            PRECISIONS[1:],
-            {k: v for k, v in _PRECISION_ALIASES.items() if v != "float32"},
+            BENCH_PRECISIONS,
+            {k: v for k, v in _PRECISION_ALIASES.items() if v in BENCH_PRECISIONS},
             what="precision",
         ),
         metavar="NAME[,NAME]",
@@ -589,7 +600,7 @@ def _run_demo(args: argparse.Namespace) -> int:
 
     return runner.run_demo(
         workloads=merge(args.workload, WORKLOADS),
-        precisions=merge(args.precision, PRECISIONS),
+        precisions=merge(args.precision, DEMO_PRECISIONS),
         steps=args.steps,
         size=args.size,
         batch_size=args.batch_size,

@@ -20,6 +20,10 @@ For every op it measures, on the op's outputs:
 * **relative error** of the autocast stream against float32 (``‖b-a‖/‖a‖`` over
   the positions where both are finite; ``inf`` when the autocast value is
   non-finite where float32 is finite), and of the local run.
+* **float8** (matmuls and convolutions a float8 policy runs in float8): of the
+  operand values the op quantizes, how many saturate at the format's largest
+  value and how many non-zero values flush to zero after scaling. Flushing is
+  what float8's range costs; it is reported, not advised against.
 
 It ends with advice (:mod:`~mixprec._src.numerics.advice`): the ops to move to
 the black list, as a ``modify_mixlist`` dict ready for ``mixprec.autocast(...,
@@ -41,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mixprec._src import float8 as f8
 from mixprec._src._compat import is_tracer
 from mixprec._src.autocast import interpreter as itp
 from mixprec._src.autocast.config import make_config
@@ -55,7 +60,7 @@ from mixprec._src.numerics.advice import (
 )
 from mixprec._src.numerics.record import (
     AlignmentIssue,
-    lint_eqn,
+    lint_product,
     parse_source,
     record_fields,
     short_source,
@@ -99,6 +104,11 @@ class OpDiagnosis:
       max_abs: largest finite float32 output magnitude.
       min_abs: smallest non-zero float32 output magnitude (``inf`` if none).
       flops: FLOPs of one call.
+      float8: the float8 recipe of an op that ran in float8, else ``None``.
+      quantized: operand values the op scaled into float8 (summed over calls).
+      saturated: of those, values beyond the format's range after scaling
+        (clipped to its largest value; current scaling leaves none).
+      flushed: non-zero values that became zero after scaling.
     """
 
     index: int
@@ -125,6 +135,10 @@ class OpDiagnosis:
     max_abs: float
     min_abs: float
     flops: int
+    float8: str | None = None
+    quantized: int = 0
+    saturated: int = 0
+    flushed: int = 0
 
     @property
     def line(self) -> int | None:
@@ -269,6 +283,16 @@ class DiagnosisReport:
         if self.output_rel_error:
             errs = ", ".join(f"{e:.2e}" for e in self.output_rel_error)
             lines.append(f"output relative error vs float32: {errs}")
+        f8_ops = [op for op in self.ops if op.float8 is not None]
+        if f8_ops:
+            n = sum(op.quantized for op in f8_ops)
+            flushed = sum(op.flushed for op in f8_ops)
+            lines.append(
+                f"float8: {len(f8_ops)} op{'s' if len(f8_ops) != 1 else ''} "
+                f"quantized {n} values; "
+                f"{sum(op.saturated for op in f8_ops)} saturated, {flushed} "
+                f"({100 * flushed / max(n, 1):.2f}%) flushed to zero after scaling"
+            )
         return "\n".join(lines)
 
     def advice(self) -> str:
@@ -325,6 +349,11 @@ class DiagnosisReport:
                 note.append("first NaN/inf")
             if op.cast_overflow or op.cast_underflow:
                 note.append(f"cast: {op.cast_overflow} inf, {op.cast_underflow} zero")
+            if op.float8 is not None:
+                note.append(
+                    f"float8: {op.saturated} saturated, {op.flushed} flushed of "
+                    f"{op.quantized}"
+                )
             if op.backward:
                 note.append("backward")
             rows.append(
@@ -510,6 +539,11 @@ class _Site:
     local_rel_error: float = 0.0
     max_abs: float = 0.0
     min_abs: float = math.inf
+    float8: str | None = None
+    float8_skip: str | None = None
+    quantized: int = 0
+    saturated: int = 0
+    flushed: int = 0
 
     def freeze(self) -> OpDiagnosis:
         fields = {f.name for f in dataclasses.fields(OpDiagnosis)}
@@ -552,6 +586,8 @@ class _Comparer:
                 dtype=f["dtype"],
                 op_class=f["op_class"],
                 reason=f["reason"],
+                float8=f["float8"] if f["decision"] == "float8" else None,
+                float8_skip=f["float8_skip"],
             )
             self.sites[key] = site
         return site
@@ -604,6 +640,8 @@ class _Comparer:
                 local_in.append(c)
             local = rerun(local_in)
 
+        if site.decision == "float8":
+            self._count_float8(site, eqn, decision, inmix)
         if site.decision == "low" and site.dtype is not None:
             for a, b in zip(in32, inmix, strict=True):
                 if not (_is_float(a) and _is_float(b)):
@@ -650,6 +688,24 @@ class _Comparer:
                 # advice). Those kept in float32 reach 16 bits at the next dot.
                 if site.backward:
                     self.grads.add(mags)
+
+    @staticmethod
+    def _count_float8(site: _Site, eqn: Any, decision: Any, inmix: Sequence[Any]):
+        """Saturated and flushed values of the operands the op quantizes, with
+        the scales the recipe takes (over the contraction for rowwise dots)."""
+        formats = decision.operand_dtypes or ()
+        rowwise = decision.float8 is not None and decision.float8.scaling == "rowwise"
+        contract: tuple[Sequence[int], ...] = ((), ())
+        if eqn.primitive.name == "dot_general":
+            contract = eqn.params["dimension_numbers"][0]
+        for i, (x, fmt) in enumerate(zip(inmix, formats, strict=False)):
+            if fmt is None or not _is_float(x):
+                continue
+            axes = tuple(contract[i]) if rowwise and contract[i] else None
+            saturated, flushed, n = f8.quantization_counts(x, fmt, axes)
+            site.saturated += saturated
+            site.flushed += flushed
+            site.quantized += n
 
 
 def _index(site: _Site | None) -> int | None:
@@ -877,10 +933,11 @@ def diagnose(
     loss_scale_hint, grad_range = suggest_loss_scale(ev.grads, low, scale)
     alignment = []
     for s in sites:
-        if s.decision == "low":
-            issue = lint_eqn(s.eqn, s.dtype, source=s.source, path=s.path)
-            if issue is not None:
-                alignment.append(issue)
+        issue = lint_product(
+            s.eqn, s.decision, s.dtype, s.float8_skip, source=s.source, path=s.path
+        )
+        if issue is not None:
+            alignment.append(issue)
     if low == _F32:
         notes.append(
             f"policy {config.policy} computes in float32: nothing runs in low "

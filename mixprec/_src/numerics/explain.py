@@ -8,7 +8,9 @@ those inside ``jit``, ``scan``, ``while_loop``, ``cond``, ``checkpoint``,
 ``custom_jvp`` and ``custom_vjp``) with its user source line, the path through
 higher-order primitives, the dtypes it runs in, the decision with its reason,
 and its FLOPs; plus the share of FLOPs that runs in low precision and a
-tensor-core alignment lint.
+tensor-core alignment lint. Under a float8 policy it also says which matmuls and
+convolutions ran in float8, with which recipe and share of FLOPs, and why the
+others stayed 16-bit.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from mixprec._src.numerics.record import (
     AlignmentIssue,
     OpRecord,
     Recorder,
-    lint_eqn,
+    lint_product,
     short_source,
 )
 from mixprec._src.numerics.render import (
@@ -59,6 +61,9 @@ class PrecisionReport:
       notes: anything the reader should know about the backend.
       jaxpr: the transformed jaxpr: exactly what ``mixprec.autocast`` runs (the
         records were taken while it was traced).
+      source_jaxpr: the jaxpr of ``fn`` it was built from; each record's
+        ``eqn`` is one of its equations (or of a body inside it).
+      float8: the policy's float8 recipe (``"tensorwise"``, ...), or ``None``.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -71,6 +76,17 @@ class PrecisionReport:
       dot_general at ... [float16]: N=10 not a multiple of 8 (pad N to 16)
       >>> import json; json.loads(report.to_json())["counts"]
       {'low': 1, 'float32': 1}
+
+      Under ``"mixed_float8"``, which products ran in float8 and why the
+      others did not:
+
+      >>> report = mixprec.explain(lambda w, x: x @ w @ w[:, :10],
+      ...     jnp.ones((256, 256)), jnp.ones((128, 256)), policy="mixed_float8")
+      >>> [op.decision for op in report.find("dot_general")]
+      ['float8', 'low']
+      >>> print(report.float8_summary())  # doctest: +NORMALIZE_WHITESPACE
+      float8 (tensorwise): 1 of 2 matmuls/convolutions, 96.2% of FLOPs; kept in
+      bfloat16: dot_general at ...: N=10 not a multiple of 16
     """
 
     ops: tuple[OpRecord, ...]
@@ -80,6 +96,8 @@ class PrecisionReport:
     alignment: tuple[AlignmentIssue, ...] = ()
     notes: tuple[str, ...] = ()
     jaxpr: Any = dataclasses.field(default=None, compare=False, repr=False)
+    source_jaxpr: Any = dataclasses.field(default=None, compare=False, repr=False)
+    float8: str | None = None
 
     @property
     def total_flops(self) -> int:
@@ -88,14 +106,46 @@ class PrecisionReport:
 
     @property
     def low_precision_flops(self) -> int:
-        """FLOPs of the ops that run in the low dtype."""
-        return sum(op.flops for op in self.ops if op.decision == "low")
+        """FLOPs of the ops that run in the low dtype (or in float8)."""
+        return sum(op.flops for op in self.ops if op.decision in ("low", "float8"))
 
     @property
     def low_precision_flop_fraction(self) -> float:
         """Share of FLOPs in low precision (0.0 when the function has no FLOPs)."""
         total = self.total_flops
         return self.low_precision_flops / total if total else 0.0
+
+    @property
+    def float8_flops(self) -> int:
+        """FLOPs of the matmuls and convolutions that run in float8."""
+        return sum(op.flops for op in self.ops if op.decision == "float8")
+
+    @property
+    def float8_flop_fraction(self) -> float:
+        """Share of FLOPs in float8 (0.0 when the function has no FLOPs)."""
+        total = self.total_flops
+        return self.float8_flops / total if total else 0.0
+
+    def float8_summary(self) -> str:
+        """Under a float8 policy: how many products ran in float8, their share of
+        FLOPs, and each product the recipe kept 16-bit with the reason
+        (``""`` without a float8 recipe)."""
+        if self.float8 is None:
+            return ""
+        ran = [op for op in self.ops if op.decision == "float8"]
+        kept = [op for op in self.ops if op.float8_skip is not None]
+        text = (
+            f"float8 ({self.float8}): {len(ran)} of {len(ran) + len(kept)} "
+            f"matmuls/convolutions, {100 * self.float8_flop_fraction:.1f}% of FLOPs"
+        )
+        if kept:
+            text += f"; kept in {self.low_dtype}: " + "; ".join(
+                f"{op.primitive} at {short_source(op.source) or '<unknown>'}"
+                + (" (backward)" if op.backward else "")
+                + f": {op.float8_skip_reason}"
+                for op in kept
+            )
+        return text
 
     def counts(self) -> dict[str, int]:
         """How many ops got each decision."""
@@ -111,10 +161,16 @@ class PrecisionReport:
     def summary(self) -> str:
         """One line: policy, mode, op counts and the low-precision FLOP share."""
         counts = ", ".join(f"{k}: {v}" for k, v in sorted(self.counts().items()))
+        where = self.low_dtype
+        if self.float8 is not None:
+            where = (
+                f"{self.low_dtype} or float8 ({100 * self.float8_flop_fraction:.1f}%"
+                f" in float8, {self.float8})"
+            )
         return (
             f"policy {self.policy}, mode {self.mode}: {len(self.ops)} ops ({counts}); "
             f"{100 * self.low_precision_flop_fraction:.1f}% of "
-            f"{fmt_flops(self.total_flops)} FLOPs in {self.low_dtype}"
+            f"{fmt_flops(self.total_flops)} FLOPs in {where}"
         )
 
     _COLUMNS = ("#", "op", "source", "path", "in", "out", "decision", "reason", "flops")
@@ -159,7 +215,8 @@ class PrecisionReport:
         if hidden:
             caption = f"({hidden} more ops not shown) " + caption
         styles = [
-            "bold" if op.decision == "low" else None for op in self.ops[: len(rows)]
+            "bold" if op.decision in ("low", "float8") else None
+            for op in self.ops[: len(rows)]
         ]
         text = render_table(
             "mixprec.explain",
@@ -170,6 +227,8 @@ class PrecisionReport:
             styles=styles,
             caption=caption,
         )
+        if self.float8 is not None:
+            text += "\n" + self.float8_summary()
         if self.alignment:
             text += "\nTensor-core alignment:\n" + "\n".join(
                 "  " + issue.message() for issue in self.alignment
@@ -197,6 +256,9 @@ class PrecisionReport:
             "total_flops": self.total_flops,
             "low_precision_flops": self.low_precision_flops,
             "low_precision_flop_fraction": self.low_precision_flop_fraction,
+            "float8": self.float8,
+            "float8_flops": self.float8_flops,
+            "float8_flop_fraction": self.float8_flop_fraction,
             "counts": self.counts(),
             "ops": [op.to_dict() for op in self.ops],
             "alignment": [issue.to_dict() for issue in self.alignment],
@@ -250,13 +312,22 @@ def explain(
     """
     config = make_config(policy, mode=mode, mixlist=mixlist)
     recorder = Recorder()
-    jaxpr = api.trace_transformed(fn, config, args, {}, observer=recorder)
+    jaxpr, source = api.trace_transformed(fn, config, args, {}, observer=recorder)
     ops = tuple(recorder.records)
     alignment = tuple(
         issue
         for op in ops
-        if op.decision == "low" and op.eqn is not None
-        for issue in [lint_eqn(op.eqn, op.dtype, source=op.source, path=op.path)]
+        if op.eqn is not None
+        for issue in [
+            lint_product(
+                op.eqn,
+                op.decision,
+                op.dtype,
+                op.float8_skip,
+                source=op.source,
+                path=op.path,
+            )
+        ]
         if issue is not None
     )
     return PrecisionReport(
@@ -267,4 +338,6 @@ def explain(
         alignment=alignment,
         notes=tuple(dict.fromkeys(recorder.notes)),
         jaxpr=jaxpr,
+        source_jaxpr=source,
+        float8=None if config.policy.float8 is None else str(config.policy.float8),
     )

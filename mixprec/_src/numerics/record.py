@@ -31,6 +31,7 @@ __all__ = [
     "eqn_flops",
     "eqn_source",
     "lint_eqn",
+    "lint_product",
     "parse_source",
     "short_source",
 ]
@@ -251,6 +252,25 @@ def lint_eqn(
     )
 
 
+def lint_product(
+    eqn: jex_core.JaxprEqn,
+    decision: str,
+    dtype: Any,
+    float8_skip: str | None,
+    *,
+    source: str,
+    path: str,
+) -> AlignmentIssue | None:
+    """The alignment issue of a product that ran in low precision: float8's
+    multiples of 16 for a float8 product and for one a float8 recipe kept
+    16-bit for its alignment, the 16-bit multiples of 8 otherwise."""
+    if decision == "float8" or float8_skip == "alignment":
+        return lint_eqn(eqn, np.dtype("float8_e4m3fn"), source=source, path=path)
+    if decision == "low":
+        return lint_eqn(eqn, dtype, source=source, path=path)
+    return None
+
+
 # ---------------------------------------------------------------- records
 
 
@@ -291,6 +311,12 @@ class OpRecord:
         flops: floating-point operations, times the trip count of an
             enclosing ``scan``.
         eqn: the equation itself (not compared, not serialised).
+        float8: the float8 recipe (``"tensorwise"``, ``"rowwise"``) of a
+            matmul or convolution that ran in float8, or that the recipe kept
+            in the low dtype; ``None`` otherwise.
+        float8_skip: why the recipe kept it out of float8 (``"alignment"``,
+            ``"size"``, ``"symbolic"``), or ``None``.
+        float8_skip_reason: the same in words (``"N=10 not a multiple of 16"``).
 
     Examples:
         >>> import jax.numpy as jnp
@@ -316,6 +342,9 @@ class OpRecord:
     reason: str
     flops: int
     eqn: Any = dataclasses.field(default=None, compare=False, repr=False)
+    float8: str | None = None
+    float8_skip: str | None = None
+    float8_skip_reason: str | None = None
 
     @property
     def line(self) -> int | None:
@@ -361,6 +390,13 @@ def record_fields(
         "dtype": None if decision.dtype is None else str(decision.dtype),
         "reason": decision.reason,
         "flops": eqn_flops(eqn) * walk.trip,
+        "float8": None if decision.float8 is None else str(decision.float8),
+        "float8_skip": None
+        if decision.float8_skip is None
+        else decision.float8_skip[0],
+        "float8_skip_reason": None
+        if decision.float8_skip is None
+        else decision.float8_skip[1],
     }
 
 
@@ -371,7 +407,7 @@ class Recorder:
         >>> import jax.numpy as jnp
         >>> from mixprec._src.autocast import api, config
         >>> rec = Recorder()
-        >>> _ = api.trace_transformed(lambda x: (x @ x).sum(),
+        >>> _, _ = api.trace_transformed(lambda x: (x @ x).sum(),
         ...     config.make_config("mixed_bfloat16"), (jnp.ones((2, 2)),), {},
         ...     observer=rec)
         >>> [(r.primitive, r.out_dtypes[0]) for r in rec.records]

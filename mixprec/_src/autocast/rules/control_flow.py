@@ -31,7 +31,7 @@ from jax.extend.core import ClosedJaxpr, jaxpr_as_fun, mapped_aval, primitives a
 
 from mixprec._src import _compat
 from mixprec._src.autocast import interpreter as itp, ops
-from mixprec._src.autocast.interpreter import CONST, CastContext, Dual, Walk
+from mixprec._src.autocast.interpreter import CONST, GRAD, CastContext, Dual, Walk
 from mixprec._src.autocast.rules.default import (
     aval_of,
     cast_all,
@@ -125,10 +125,11 @@ def _scan_rule(
     consts, init, xs = _split(invals, nc, ncar)
     dts = carry_dtypes(init, jaxpr.in_avals[nc : nc + ncar])
     init = cast_all(init, dts)
+    # A carry or slice that enters as a gradient stays one (float8's e5m2).
     marks = [
         *ctx.marks[:nc],
-        *([0] * ncar),
-        *(m & CONST for m in ctx.marks[nc + ncar :]),
+        *(m & GRAD for m in ctx.marks[nc : nc + ncar]),
+        *(m & (CONST | GRAD) for m in ctx.marks[nc + ncar :]),
     ]
     sub = walk.body("scan/body", trip=length)
     if walk.dual:
@@ -223,8 +224,9 @@ def _while_rule(
     cconsts, bconsts, init = _split(invals, cn, bn)
     dts = carry_dtypes(init, body_jaxpr.in_avals[bn:])
     init = cast_all(init, dts)
-    cmarks = [*ctx.marks[:cn], *([0] * len(init))]
-    bmarks = [*ctx.marks[cn : cn + bn], *([0] * len(init))]
+    carried = [m & GRAD for m in ctx.marks[cn + bn :]]
+    cmarks = [*ctx.marks[:cn], *carried]
+    bmarks = [*ctx.marks[cn : cn + bn], *carried]
     csub = walk.body("while/cond")
     bsub = walk.body("while/body")
     if walk.dual:

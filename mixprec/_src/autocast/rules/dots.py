@@ -5,6 +5,9 @@ formulates it for the backend; a dot decided float32 (``precision=HIGHEST``, a
 float32 policy) or as written runs through the default rule. On CPU the dot's
 float32 product is kept, so that a bias add right after it can run on it
 (the interpreter's epilogue: one rounding, one XLA kernel fewer per layer).
+A dot or convolution decided float8 runs through
+:mod:`mixprec._src.autocast.float8_dots` (scaled float8 operands, float32
+accumulation), its float32 product kept on CPU the same way.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import numpy as np
 from jax import lax
 from jax.extend.core import primitives as P
 
-from mixprec._src.autocast import dots, interpreter as itp, ops
+from mixprec._src.autocast import dots, float8_dots, interpreter as itp, ops
 from mixprec._src.autocast.decide import Precision
 from mixprec._src.autocast.interpreter import CONST, CastContext
 
@@ -60,7 +63,50 @@ def _note_formulation(ctx: CastContext, low: np.dtype) -> None:
         ctx.walk.observer.on_note(ctx.walk, ctx.eqn, note)
 
 
+def _float8_dot_general(ctx: CastContext, lhs: Any, rhs: Any, **params: Any) -> Any:
+    d = ctx.decision
+    assert d.float8 is not None and d.operand_dtypes is not None
+    out_dtype = d.out_dtype or ctx.low_dtype
+    keep_wide = ctx.platform == "cpu" and out_dtype != _F32
+    res = float8_dots.dot_general(
+        lhs,
+        rhs,
+        dimension_numbers=params["dimension_numbers"],
+        precision=params.get("precision"),
+        recipe=d.float8,
+        formats=d.operand_dtypes,
+        low_dtype=ctx.low_dtype,
+        out_dtype=_F32 if keep_wide else out_dtype,
+        custom_vjp=ctx.config.custom_vjp_dots,
+        out_sharding=params.get("out_sharding"),
+        platform=ctx.platform,
+    )
+    if not keep_wide:
+        return res
+    out = lax.convert_element_type(res, out_dtype)
+    ctx.walk.wide[ctx.eqn.outvars[0]] = res
+    return out
+
+
+def _float8_conv(ctx: CastContext, lhs: Any, rhs: Any, **params: Any) -> Any:
+    d = ctx.decision
+    assert d.float8 is not None and d.operand_dtypes is not None
+    return float8_dots.conv_general_dilated(
+        lhs,
+        rhs,
+        recipe=d.float8,
+        formats=d.operand_dtypes,
+        low_dtype=ctx.low_dtype,
+        out_dtype=d.out_dtype or ctx.low_dtype,
+        custom_vjp=ctx.config.custom_vjp_dots,
+        platform=ctx.platform,
+        **params,
+    )
+
+
 def _dot_general_rule(ctx: CastContext, lhs: Any, rhs: Any, **params: Any) -> Any:
+    if ctx.decision.precision is Precision.FLOAT8:
+        return _float8_dot_general(ctx, lhs, rhs, **params)
     low = _low_dtype(ctx, lhs, rhs)
     if low is None:
         return itp.default_rule(P.dot_general_p, ctx, lhs, rhs, **params)
@@ -91,6 +137,8 @@ def _dot_general_rule(ctx: CastContext, lhs: Any, rhs: Any, **params: Any) -> An
 def _conv_general_dilated_rule(
     ctx: CastContext, lhs: Any, rhs: Any, **params: Any
 ) -> Any:
+    if ctx.decision.precision is Precision.FLOAT8:
+        return _float8_conv(ctx, lhs, rhs, **params)
     low = _low_dtype(ctx, lhs, rhs)
     if low is None:
         return itp.default_rule(P.conv_general_dilated_p, ctx, lhs, rhs, **params)

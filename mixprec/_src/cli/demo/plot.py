@@ -16,11 +16,17 @@ from .report import group_by_workload
 from .train import RunResult
 
 
-_STYLES = {"float32": "-", "mixed_bfloat16": "--", "mixed_float16": ":"}
+_STYLES = {
+    "float32": "-",
+    "mixed_bfloat16": "--",
+    "mixed_float16": ":",
+    "mixed_float8": "-.",
+}
 _COLORS = {
     "float32": "tab:blue",
     "mixed_bfloat16": "tab:green",
     "mixed_float16": "tab:red",
+    "mixed_float8": "tab:purple",
 }
 
 

@@ -66,6 +66,8 @@ def rows(results: Sequence[RunResult]) -> list[list[str]]:
     out = []
     for r in results:
         name = r.precision
+        if r.float8_flop_fraction is not None:
+            name += f" ({r.float8_flop_fraction:.0%} fp8)"
         if r.error:
             out.append([name, *(["-"] * (len(COLUMNS) - 2)), f"skipped: {r.error}"])
             continue
@@ -228,6 +230,13 @@ def _why_slower(r: RunResult, platform: str, cpu_bf16: Any, load: float | None) 
             "no known cause on this backend: small models do not keep the device "
             f"busy (try --size full){busy}"
         )
+    if r.precision == "mixed_float8":
+        return (
+            "CPUs have no float8 arithmetic: float8 products are emulated "
+            "(quantized operands multiplied in bfloat16 with float32 "
+            "accumulation, scales applied after), so they are slower than "
+            f"bfloat16 by design; the run is there for its accuracy{busy}."
+        )
     if r.precision == "mixed_float16":
         return (
             "XLA:CPU has no float16 matmul: float16 dots run as float32 GEMMs on "
@@ -272,7 +281,10 @@ NOTES = (
     "for the backward pass. device peak (GPU only): the backend's peak bytes in "
     "use, a process-wide high-water mark. skipped: steps whose gradients were not "
     "finite (update skipped, loss scale backed off). loss scale: the final scale "
-    "(dynamic for mixed_float16)."
+    "(dynamic for mixed_float16). mixed_float8 (N% fp8): matmuls in float8 "
+    "(tensorwise current scaling) for N% of the forward pass's FLOPs; the rest "
+    "as mixed_bfloat16. CPUs have no float8 arithmetic: it is emulated, slower "
+    "than bfloat16, and shown for its accuracy."
 )
 
 

@@ -9,6 +9,10 @@ one workload at one precision with one mechanism and measures it:
   - ``"autocast"``: the *unchanged* float32 model under ``mixprec.autocast``;
   - ``"manual"``: hand-written casting (the MLP's Keras-style per-layer policy;
     JMP-style ``policy.cast_to_compute(params)`` for models without one).
+* ``mixed_float8``: the unchanged model under ``mixprec.autocast`` with matmuls
+  in float8 (tensorwise current scaling); autocast only (there is no
+  hand-written counterpart). The run records the share of the forward pass's
+  FLOPs that ran in float8 (``mixprec.explain``).
 
   The step computes loss-scaled gradients with ``mixprec.value_and_grad`` and
   updates through ``mixprec.optax.loss_scaled``, which skips non-finite steps and
@@ -39,7 +43,7 @@ from .. import models, timing
 from . import data as data_lib
 
 
-PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
+PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16", "mixed_float8")
 MECHANISMS = ("autocast", "manual")
 WORKLOADS = ("digits", "lm")
 SIZES = ("auto", "tiny", "small", "full")
@@ -270,6 +274,8 @@ class RunResult:
     error: str | None = None
     # Mean step time of each interleaved timing round (see `time_interleaved`).
     round_times_s: list[float] = dataclasses.field(default_factory=list)
+    # Under a float8 policy: the share of the forward pass's FLOPs in float8.
+    float8_flop_fraction: float | None = None
     # The compiled step, its state and a batch, kept for `time_interleaved`.
     _runner: Any = dataclasses.field(default=None, repr=False, compare=False)
 
@@ -366,14 +372,23 @@ def autocast_available() -> bool:
     return hasattr(mixprec, "autocast")
 
 
-def model_fn(workload: Workload, precision: str, mechanism: str) -> Callable:
-    """``(params, inputs) -> log-probs`` at the given precision and mechanism."""
+def model_fn(
+    workload: Workload, precision: str, mechanism: str, policy: Any = None
+) -> Callable:
+    """``(params, inputs) -> log-probs`` at the given precision and mechanism
+    (``policy``: a ``mixprec.Policy`` to use instead of the precision's own)."""
     if mechanism not in MECHANISMS:
         raise ValueError(f"Unknown mechanism {mechanism!r}; valid: {MECHANISMS}.")
-    policy = precision_policy(precision)
+    if policy is None:
+        policy = precision_policy(precision)
     if policy is None:
         return workload.apply
     if mechanism == "manual":
+        if policy.float8 is not None:
+            raise NotImplementedError(
+                f"{precision} runs through `mixprec.autocast` only (no hand-written "
+                "float8 casting); use `--mechanism autocast`."
+            )
         return ft.partial(_call_manual, workload.apply_manual, policy=policy)
     import mixprec
 
@@ -474,6 +489,7 @@ def train(
     on_step: Callable[[int, float], None] | None = None,
     evaluate: bool = True,
     keep: bool = False,
+    policy: Any = None,
 ) -> RunResult:
     """Trains ``workload`` at ``precision`` and measures it.
 
@@ -489,6 +505,9 @@ def train(
       on_step: called after every step with ``(step_index, loss)``.
       evaluate: whether to compute the held-out loss and accuracy at the end.
       keep: keep the compiled step and final state for :func:`time_interleaved`.
+      policy: a ``mixprec.Policy`` to run instead of the precision's own (e.g.
+        ``mixed_float8`` with another float8 recipe); ``precision`` still names
+        the run and picks the loss scaling.
 
     Returns:
       A :class:`RunResult`.
@@ -502,7 +521,9 @@ def train(
     result = RunResult(workload.name, precision, mech, steps)
     start = time.perf_counter()
 
-    fwd = model_fn(workload, precision, mechanism)
+    if policy is not None and precision == "float32":
+        raise ValueError("`train(..., policy=...)` needs a mixed `precision` to name.")
+    fwd = model_fn(workload, precision, mechanism, policy)
 
     def loss_fn(params: Any, batch: Batch) -> tuple[jax.Array, jax.Array]:
         x, y = batch
@@ -526,6 +547,12 @@ def train(
     batches = workload.train_batches(seed)
     first = next(batches)
     batch0 = (jnp.asarray(first[0]), jnp.asarray(first[1]))
+    policy = policy if policy is not None else precision_policy(precision)
+    if policy is not None and policy.float8 is not None:
+        import mixprec
+
+        report = mixprec.explain(workload.apply, params, batch0[0], policy=policy)
+        result.float8_flop_fraction = report.float8_flop_fraction
     t0 = time.perf_counter()
     compiled = jax.jit(step, donate_argnums=0).lower(state, batch0).compile()
     result.compile_s = time.perf_counter() - t0

@@ -1,0 +1,217 @@
+"""Convolutional networks: Flax with BatchNorm, lax convs, Equinox, conv1d."""
+
+from __future__ import annotations
+
+import equinox as eqx
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from . import Instance, data, program
+
+
+# ---------------------------------------------------------------- Flax + BatchNorm
+
+
+class FlaxCNN(nn.Module):
+    classes: int = 4
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        x = nn.Conv(8, (3, 3), use_bias=False)(x)
+        x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
+        x = nn.relu(x)
+        x = nn.max_pool(x, (2, 2), strides=(2, 2))
+        x = nn.Conv(16, (3, 3), use_bias=False)(x)
+        x = nn.BatchNorm(use_running_average=not train, momentum=0.9, name="norm")(x)
+        x = nn.relu(x)
+        x = x.mean(axis=(1, 2))
+        return nn.Dense(self.classes)(x)
+
+
+def flax_cnn_loss(model):
+    def loss(params, batch_stats, x, y):
+        logits, updates = model.apply(
+            {"params": params, "batch_stats": batch_stats},
+            x,
+            train=True,
+            mutable=["batch_stats"],
+        )
+        xent = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        return xent, updates["batch_stats"]
+
+    return loss
+
+
+@program()
+def cnn_flax_batchnorm():
+    """Flax Conv + BatchNorm (batch stats mutable, returned as aux) + max_pool."""
+    model = FlaxCNN()
+    x, y = data.images(20, 8, 8, 1, 4)
+    variables = data.init(model.init, 21, x, train=False)
+    return Instance(
+        variables["params"],
+        (variables["batch_stats"], x, y),
+        flax_cnn_loss(model),
+        has_aux=True,
+    )
+
+
+# ---------------------------------------------------------------- lax convs
+
+
+def _group_norm(x, scale, bias, groups, eps=1e-5):
+    n, h, w, c = x.shape
+    g = x.reshape(n, h, w, groups, c // groups)
+    mean = g.mean(axis=(1, 2, 4), keepdims=True)
+    var = ((g - mean) ** 2).mean(axis=(1, 2, 4), keepdims=True)
+    g = (g - mean) / jnp.sqrt(var + eps)
+    return g.reshape(n, h, w, c) * scale + bias
+
+
+@program()
+def cnn_lax_groupnorm():
+    """lax.conv_general_dilated NHWC + hand-written group norm + avg pool."""
+    k1, k2, k3 = data.seeds(22, 3)
+    params = {
+        "conv1": data.normal(k1, (3, 3, 3, 8), 1 / np.sqrt(27.0)),
+        "scale": data.ones(8),
+        "bias": data.zeros(8),
+        "conv2": data.normal(k2, (3, 3, 8, 8), 1 / np.sqrt(72.0)),
+        "dense": data.normal(k3, (8, 6), 1 / np.sqrt(8.0)),
+    }
+    x, y = data.images(23, 6, 8, 3, 6)
+    dn = ("NHWC", "HWIO", "NHWC")
+
+    def loss(p, x, y):
+        h = lax.conv_general_dilated(
+            x, p["conv1"], (1, 1), "SAME", dimension_numbers=dn
+        )
+        h = jax.nn.swish(_group_norm(h, p["scale"], p["bias"], groups=2))
+        h = lax.conv_general_dilated(
+            h, p["conv2"], (2, 2), "SAME", dimension_numbers=dn
+        )
+        h = (
+            lax.reduce_window(h, 0.0, lax.add, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
+            / 4.0
+        )
+        logits = jax.nn.relu(h).mean(axis=(1, 2)) @ p["dense"]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    return Instance(params, (x, y), loss)
+
+
+# ---------------------------------------------------------------- Equinox
+
+
+class EqxCNN(eqx.Module):
+    conv1: eqx.nn.Conv2d
+    norm: eqx.nn.GroupNorm
+    conv2: eqx.nn.Conv2d
+    pool: eqx.nn.MaxPool2d
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.conv1 = eqx.nn.Conv2d(1, 8, 3, padding=1, key=k1)
+        self.norm = eqx.nn.GroupNorm(4, 8)
+        self.conv2 = eqx.nn.Conv2d(8, 8, 3, padding=1, key=k2)
+        self.pool = eqx.nn.MaxPool2d(2, 2)
+        self.head = eqx.nn.Linear(8, 4, key=k3)
+
+    def __call__(self, x):  # one CHW image
+        x = jax.nn.relu(self.norm(self.conv1(x)))
+        x = self.pool(jax.nn.relu(self.conv2(x)))
+        return self.head(jnp.mean(x, axis=(1, 2)))
+
+
+@program()
+def cnn_equinox():
+    """Equinox Conv2d + GroupNorm + MaxPool2d, vmapped over the batch."""
+    model = data.eqx_init(EqxCNN, 24)
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    x, y = data.images(25, 6, 8, 1, 4)
+    x = jnp.asarray(np.transpose(np.asarray(x), (0, 3, 1, 2)))
+
+    def loss(params, x, y):
+        logits = jax.vmap(eqx.combine(params, static))(x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    return Instance(params, (x, y), loss)
+
+
+# ---------------------------------------------------------------- residual CNN
+
+
+class ResBlock(nn.Module):
+    features: int
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.GroupNorm(num_groups=4)(x)
+        h = nn.Conv(self.features, (3, 3))(nn.gelu(h))
+        h = nn.GroupNorm(num_groups=4)(h)
+        h = nn.Conv(self.features, (3, 3))(nn.gelu(h))
+        return x + h
+
+
+class ResNet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Conv(8, (3, 3), name="stem")(x)
+        x = ResBlock(8)(x)
+        x = nn.avg_pool(x, (2, 2), strides=(2, 2))
+        return nn.Dense(3)(x.mean(axis=(1, 2)))
+
+
+@program("standard_promotion")
+def resnet_flax():
+    """Flax residual CNN (GroupNorm, conv, skip connections, avg_pool).
+
+    Flax's avg_pool divides by an int: it needs standard promotion.
+    """
+    model = ResNet()
+    x, y = data.images(26, 4, 8, 2, 3)
+    params = data.init(model.init, 27, x)["params"]
+
+    def loss(params, x, y):
+        logits = model.apply({"params": params}, x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    return Instance(params, (x, y), loss)
+
+
+# ---------------------------------------------------------------- conv1d
+
+
+@program()
+def conv1d_sequence():
+    """Causal conv1d over token embeddings (lax NWC conv, dilation 2) + pooling."""
+    vocab, d = 20, 16
+    k1, k2, k3, k4 = data.seeds(28, 4)
+    params = {
+        "embed": data.normal(k1, (vocab, d), 0.5),
+        "conv1": data.normal(k2, (3, d, d), 1 / np.sqrt(3 * d)),
+        "conv2": data.normal(k3, (3, d, d), 1 / np.sqrt(3 * d)),
+        "out": data.normal(k4, (d, 2), 1 / np.sqrt(d)),
+    }
+    tokens, _ = data.tokens(29, 6, 12, vocab)
+    labels = (tokens[:, 0] % 2).astype(jnp.int32)
+    dn = ("NWC", "WIO", "NWC")
+
+    def loss(p, tokens, labels):
+        h = p["embed"][tokens]
+        h = lax.conv_general_dilated(
+            h, p["conv1"], (1,), [(2, 0)], dimension_numbers=dn
+        )
+        h = jax.nn.gelu(h)
+        h = h + lax.conv_general_dilated(
+            h, p["conv2"], (1,), [(4, 0)], rhs_dilation=(2,), dimension_numbers=dn
+        )
+        logits = jnp.max(h, axis=1) @ p["out"]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    return Instance(params, (tokens, labels), loss)
