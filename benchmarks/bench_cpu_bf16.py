@@ -90,7 +90,9 @@ def _build_shim(isa: str) -> str:
     if cc is None:
         raise SystemExit("--emulate-cpu needs a C compiler (cc or gcc) on PATH")
     out = os.path.join(tempfile.mkdtemp(prefix="mixprec_cpuid_"), f"libcpuid_{isa}.so")
-    subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", out, src], check=True)
+    # Not under a CPUID mask already preloaded: compilers catch SIGSEGV too.
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", out, src], check=True, env=env)
     return out
 
 

@@ -107,8 +107,9 @@ def test_capability_from_probe_timings(bf16_s, f32_s, native):
 
 
 @needs_cpu
-def test_detection_matches_this_cpu():
+def test_detection_matches_this_cpu(monkeypatch):
     # What the process sees (cpuid via NumPy), decided the documented way.
+    monkeypatch.setattr(_config, "cpu_bf16", "auto")  # as if MIXPREC_CPU_BF16 unset
     detected = capability._detected()
     expected = capability.from_features(
         _compat.cpu_features(), platform.machine(), capability._proc_cpuinfo_flags()
@@ -117,7 +118,7 @@ def test_detection_matches_this_cpu():
         assert detected == expected
     else:
         assert detected.source == "probe"
-    assert capability.cpu_bf16() == detected  # no override, MIXPREC_CPU_BF16 unset
+    assert capability.cpu_bf16() == detected
 
 
 @needs_cpu
@@ -155,11 +156,16 @@ def test_override_rejects_bad_values():
 
 @pytest.fixture
 def reload_config(monkeypatch):
+    before = _config.cpu_bf16
+    saved = {k: os.environ.get(k) for k in ("MIXPREC_CPU_BF16", "MIXPREC_POLICY")}
     yield monkeypatch
-    monkeypatch.delenv("MIXPREC_CPU_BF16", raising=False)
-    monkeypatch.delenv("MIXPREC_POLICY", raising=False)
+    for key, value in saved.items():
+        if value is None:
+            monkeypatch.delenv(key, raising=False)
+        else:
+            monkeypatch.setenv(key, value)
     importlib.reload(_config)
-    assert _config.cpu_bf16 == "auto"
+    assert _config.cpu_bf16 == before
 
 
 @pytest.mark.parametrize("value", ["emulated", " Native "])
@@ -410,6 +416,37 @@ def test_autocast_mlp_values_gradients_and_saved_bytes(formulation):
 
 
 @needs_cpu
+@pytest.mark.parametrize("formulation", FORMULATIONS)
+def test_autocast_under_shard_map(formulation):
+    # Inside shard_map the operands carry varying manual axes; the custom
+    # backward must give cotangents of the same type (a replicated weight
+    # used with a sharded batch, as in data parallelism).
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    w = jax.random.normal(jax.random.key(0), (8, 8)) / 3
+    x = jax.random.normal(jax.random.key(1), (16, 8))
+
+    def loss(w, x):
+        def local(w, x):
+            return lax.pmean(jnp.mean(jnp.tanh(x @ w) ** 2), "data")
+
+        return jax.shard_map(
+            local, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()
+        )(w, x)
+
+    with capability.override(formulation):
+        f = mixprec.autocast(loss, "mixed_bfloat16")
+    xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+    value, grad = jax.jit(jax.value_and_grad(f, (0, 1)))(w, xs)
+    ref_value, ref_grad = jax.value_and_grad(loss, (0, 1))(w, x)
+    assert value.dtype == F32
+    assert_tree_dtypes(grad, (F32, F32))
+    assert_trees_close(value, ref_value, dtype=BF16)
+    assert_trees_close(grad, ref_grad, dtype=BF16, grad=True)
+
+
+@needs_cpu
 def test_autocast_formulations_compile_to_the_dots_they_promise():
     p, x, y = _mlp()
     kinds = {}
@@ -456,7 +493,8 @@ def test_explain_notes_the_formulation_that_runs(formulation):
 
 
 @needs_cpu
-def test_explain_notes_detected_capability_and_float16():
+def test_explain_notes_detected_capability_and_float16(monkeypatch):
+    monkeypatch.setattr(_config, "cpu_bf16", "auto")  # as if MIXPREC_CPU_BF16 unset
     p, x, y = _mlp()
     rep = mixprec.explain(_mlp_loss, p, x, y, policy="mixed_bfloat16")
     detected = capability.cpu_bf16()
@@ -521,6 +559,13 @@ def test_demo_states_which_matmuls_are_native():
 
 
 @needs_cpu
+def test_conftest_pins_the_native_formulation_for_the_suite():
+    # See the root conftest.py: every other test module sees this.
+    assert _config.cpu_bf16 == "native"
+    assert make_config("mixed_bfloat16", platform="cpu").cpu_bf16 == "native"
+
+
+@needs_cpu
 def test_environment_records_the_formulation():
     env = timing.environment()
     assert env["cpu_bf16"]["formulation"] == capability.cpu_bf16().formulation
@@ -546,6 +591,7 @@ def _bench(tmp_path, *extra):
     out = tmp_path / "bench.json"
     env = dict(os.environ, PYTHONPATH=_ROOT, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
+    env.pop("MIXPREC_CPU_BF16", None)  # detect, as a user's run does
     proc = subprocess.run(
         [
             sys.executable,
@@ -587,7 +633,7 @@ def test_benchmark_records_the_cpu_and_both_formulations(tmp_path):
     data, rows = _bench(tmp_path)
     assert data["emulation"] is None
     detected = data["cpu"]["detected_formulation"]
-    assert detected == capability.cpu_bf16().formulation
+    assert detected == capability._detected().formulation
     assert rows["autocast"]["dots"] == rows[f"autocast_{detected}"]["dots"]
 
 

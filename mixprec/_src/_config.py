@@ -18,27 +18,28 @@ from .policy import get_policy, set_global_policy
 
 CPU_BF16_CHOICES = ("auto", "native", "emulated")
 
-# The value of MIXPREC_CPU_BF16 (validated), set by `_load`.
-cpu_bf16 = "auto"
 
-
-def _load() -> None:
-    global cpu_bf16
-    spec = os.environ.get("MIXPREC_POLICY")
-    if spec is not None and spec.strip():
-        try:
-            set_global_policy(get_policy(spec))
-        except ValueError as e:
-            raise ValueError(
-                f"Invalid environment variable MIXPREC_POLICY: {e}"
-            ) from None
+def _cpu_bf16_from_env() -> str:
     value = os.environ.get("MIXPREC_CPU_BF16", "").strip().lower() or "auto"
     if value not in CPU_BF16_CHOICES:
         raise ValueError(
             "Invalid environment variable MIXPREC_CPU_BF16: expected one of "
             f"{', '.join(CPU_BF16_CHOICES)}, got {os.environ['MIXPREC_CPU_BF16']!r}."
         )
-    cpu_bf16 = value
+    return value
 
 
-_load()
+def _load_policy() -> None:
+    spec = os.environ.get("MIXPREC_POLICY")
+    if spec is None or not spec.strip():
+        return
+    try:
+        set_global_policy(get_policy(spec))
+    except ValueError as e:
+        raise ValueError(f"Invalid environment variable MIXPREC_POLICY: {e}") from None
+
+
+# Each is set before the next is read, so that an invalid value (which raises)
+# leaves the others as the environment says.
+cpu_bf16 = _cpu_bf16_from_env()
+_load_policy()

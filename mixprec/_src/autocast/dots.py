@@ -431,8 +431,8 @@ def _rounded_f32_dot(
     )
 
 
-# An operand's (shape, dtype): static, for the cotangent it gets back.
-_Meta = tuple[tuple[int, ...], np.dtype]
+# An operand's (ndim, dtype): static, for the cotangent it gets back.
+_Meta = tuple[int, np.dtype]
 
 
 @ft.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
@@ -473,47 +473,27 @@ def _cpu_dot_emulated_fwd(lhs, rhs, dn, precision, low, out, lhs_meta, rhs_meta)
     return res.astype(out), (keep_lhs, keep_rhs)
 
 
-def _transpose_dot(
-    g: jax.Array,
-    other: jax.Array,
-    meta: _Meta,
-    dn: _DimNums,
-    precision: Any,
-    *,
-    lhs: bool,
-) -> jax.Array:
-    """The cotangent of one dot operand (``meta``), the other being ``other``:
-    JAX's own transpose of a float32 dot, i.e. float32 GEMMs in XLA's layouts."""
-    other = other.astype(_F32)
-    shape, dtype = meta
-
-    def dot(x: jax.Array) -> jax.Array:
-        a, b = (x, other) if lhs else (other, x)
-        return lax.dot_general(a, b, dn, precision=precision)
-
-    (ct,) = jax.linear_transpose(dot, jax.ShapeDtypeStruct(shape, _F32))(g)
-    return ct.astype(dtype)
-
-
 def _cpu_dot_emulated_bwd(dn, precision, low, out, lhs_meta, rhs_meta, residuals, g):
     del low, out
     kept_lhs, kept_rhs = residuals
     if _compat.is_symbolic_zero(g):
         return None, None
-    # The cotangent and the float32 operands kept as they are are not rounded:
-    # that would cost passes over them and buy no speed here.
+    (lhs_ndim, lhs_dtype), (rhs_ndim, rhs_dtype) = lhs_meta, rhs_meta
+    lhs_labels, rhs_labels, out_labels = _dot_labels(lhs_ndim, rhs_ndim, dn)
+    # Plain float32 dots (no canonical layout): the transposes JAX would emit
+    # for a float32 dot. The cotangent and the float32 operands kept as they
+    # are are not rounded: that would cost passes and buy no speed here.
+    args = (precision, _F32, False)
     g = g.astype(_F32)
-    args = (dn, precision)
-    d_lhs = (
-        None
-        if kept_rhs is None
-        else _transpose_dot(g, kept_rhs, lhs_meta, *args, lhs=True)
-    )
-    d_rhs = (
-        None
-        if kept_lhs is None
-        else _transpose_dot(g, kept_lhs, rhs_meta, *args, lhs=False)
-    )
+    d_lhs = d_rhs = None
+    if kept_rhs is not None:
+        rhs_f = kept_rhs.astype(_F32)
+        d_lhs = _contract(g, out_labels, rhs_f, rhs_labels, lhs_labels, *args)
+        d_lhs = d_lhs.astype(lhs_dtype)
+    if kept_lhs is not None:
+        lhs_f = kept_lhs.astype(_F32)
+        d_rhs = _contract(g, out_labels, lhs_f, lhs_labels, rhs_labels, *args)
+        d_rhs = d_rhs.astype(rhs_dtype)
     return d_lhs, d_rhs
 
 
@@ -712,8 +692,8 @@ def dot_general(
             precision,
             low,
             out,
-            (tuple(lhs.shape), lhs.dtype),
-            (tuple(rhs.shape), rhs.dtype),
+            (lhs.ndim, lhs.dtype),
+            (rhs.ndim, rhs.dtype),
         )
     if forward_mode_ad:
         lhs_l, rhs_l = lhs.astype(low), rhs.astype(low)
