@@ -5,3 +5,9 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("MPLBACKEND", "Agg")
+# The suite checks the bfloat16 CPU dot formulation for CPUs with native
+# bfloat16 matmuls (jaxprs with bf16 dots, their exact backward numerics) on any
+# CPU; tests/test_cpu_bf16.py covers the other formulation and the detection
+# with explicit overrides. Without this, an AVX2-only CI machine would pick the
+# other formulation for every test.
+os.environ["MIXPREC_CPU_BF16"] = "native"

@@ -208,3 +208,26 @@ def eqn_source_summary(source_info: Any) -> str:
 def shaped_array(shape: Sequence[int], dtype: Any, *, weak_type: bool = False) -> Any:
     """An abstract array value (``ShapedArray``)."""
     return _core.ShapedArray(tuple(shape), dtype, weak_type=weak_type)
+
+
+# -- the CPU ------------------------------------------------------------------------
+
+
+def cpu_features() -> dict[str, bool] | None:
+    """The CPU features this process can use, as NumPy detected them at run time.
+
+    NumPy's dispatcher asks the CPU itself (``cpuid`` on x86), so this is what
+    the process really gets, which ``/proc/cpuinfo`` is not always (a
+    hypervisor, or a CPUID mask, may hide features from user space). Keys are
+    NumPy's names (``"AVX2"``, ``"AVX512F"``, ``"AVX512BF16"``, ``"ASIMD"``...).
+    ``None`` when this NumPy does not expose the table (it is private to NumPy).
+    """
+    for name in ("numpy._core._multiarray_umath", "numpy.core._multiarray_umath"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        features = getattr(module, "__cpu_features__", None)
+        if isinstance(features, dict):
+            return {str(k): bool(v) for k, v in features.items()}
+    return None

@@ -6,8 +6,10 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from mixprec._src.autocast import capability
 from mixprec._src.autocast.mixlist import modify_mixlist
 from mixprec._src.autocast.modes import effective_low_dtype, validate_mode
 from mixprec._src.autocast.ops import OpLists, default_op_lists
@@ -33,6 +35,11 @@ class CastConfig:
         custom_vjp_dots: formulate low-precision CPU dots with a
             ``custom_vjp`` whose backward dots are low precision too (for a
             call under reverse-mode AD; ``jax.jvp`` cannot go through one).
+        cpu_bf16: how bfloat16 dots run on CPU: ``"native"`` (bfloat16
+            GEMMs) or ``"emulated"`` (float32 GEMMs on rounded operands), taken
+            from :func:`~mixprec._src.autocast.capability.cpu_bf16` when the
+            configuration is made; ``None`` off the CPU or when the low dtype
+            is not bfloat16.
 
     Examples:
         >>> cfg = make_config("mixed_bfloat16")
@@ -47,14 +54,23 @@ class CastConfig:
     strict: bool = False
     platform: str = "cpu"
     custom_vjp_dots: bool = False
+    cpu_bf16: str | None = None
 
     def with_policy(self, policy: Policy) -> CastConfig:
         """This configuration under another policy (and its low dtype)."""
+        low = effective_low_dtype(self.mode, policy.compute_dtype)
         return dataclasses.replace(
             self,
             policy=policy,
-            low_dtype=effective_low_dtype(self.mode, policy.compute_dtype),
+            low_dtype=low,
+            cpu_bf16=_cpu_bf16(self.platform, low),
         )
+
+
+def _cpu_bf16(platform: str, low_dtype: np.dtype) -> str | None:
+    if platform != "cpu" or np.dtype(low_dtype) != np.dtype(jnp.bfloat16):
+        return None
+    return capability.cpu_bf16().formulation
 
 
 def make_config(
@@ -103,12 +119,15 @@ def make_config(
         base = (
             mixlist if isinstance(mixlist, OpLists) else modify_mixlist(base, mixlist)
         )
+    low = effective_low_dtype(mode, pol.compute_dtype)
+    plat = platform or jax.default_backend()
     return CastConfig(
         policy=pol,
         mode=mode,
         lists=base,
-        low_dtype=effective_low_dtype(mode, pol.compute_dtype),
+        low_dtype=low,
         strict=bool(strict),
-        platform=platform or jax.default_backend(),
+        platform=plat,
         custom_vjp_dots=bool(custom_vjp_dots),
+        cpu_bf16=_cpu_bf16(plat, low),
     )

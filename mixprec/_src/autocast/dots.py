@@ -28,6 +28,21 @@ differs (see ``docs/performance.md`` for the measurements):
   cotangents) with a float32 result, which XLA:CPU computes by upcasting, so
   the numerics are those of a float16 GPU dot with float32 accumulation. It is
   correct, not fast.
+* **CPU without native bfloat16** (no AVX-512 BF16 or AMX-BF16: AVX2-only
+  x86 CPUs, many laptops and cloud machines; decided by
+  :mod:`~mixprec._src.autocast.capability`). XLA:CPU still hands
+  ``bf16 x bf16 -> f32`` dots to YNNPACK, whose AVX2 kernel widens bfloat16
+  on the fly and runs at about 0.7x of its float32 GEMM, so the formulation
+  above makes a training step slower than float32. Here each dot rounds its
+  operands to bfloat16 and multiplies them as float32 (a plain float32 GEMM,
+  in whatever layout JAX gives it: no copies, no barriers). Its
+  ``custom_vjp`` keeps for the backward pass the operands that arrived in
+  16 bits (activations under autocast) in bfloat16, and float32 operands
+  (parameters) as they are, which costs no memory; the backward dots are
+  float32 GEMMs on those and the float32 cotangent. The forward numerics are
+  those of a bfloat16 GEMM with float32 accumulation; what mixed precision
+  still gives on such a CPU is the memory: bfloat16 activations and
+  residuals, at about float32's speed.
 * **GPU/TPU**. ``low x low -> low``: cuBLAS and the TPU MXU accumulate in
   float32 internally, and JAX's own transpose rules already give low-precision
   backward dots, so no custom derivative is needed.
@@ -56,8 +71,17 @@ import numpy as np
 from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 
+from mixprec._src import _compat
+from mixprec._src.autocast import capability
 
-__all__ = ["conv_general_dilated", "dot_general"]
+
+__all__ = [
+    "conv_general_dilated",
+    "conv_note",
+    "dot_general",
+    "formulation",
+    "formulation_note",
+]
 
 _F32 = np.dtype(np.float32)
 _BF16 = np.dtype(jnp.bfloat16)
@@ -395,6 +419,180 @@ def _cpu_dot_bwd(dn, precision, low, out, lhs_dtype, rhs_dtype, residuals, g):
 _cpu_dot.defvjp(_cpu_dot_fwd, _cpu_dot_bwd)
 
 
+# --- CPU without native bf16: float32 GEMMs on bf16-rounded operands ----------
+
+
+def _rounded_f32_dot(
+    lhs_l: jax.Array, rhs_l: jax.Array, dn: _DimNums, precision: Any
+) -> jax.Array:
+    """The product of low-precision operands as one float32 ``dot_general``."""
+    return lax.dot_general(
+        lhs_l.astype(_F32), rhs_l.astype(_F32), dn, precision=precision
+    )
+
+
+# An operand's (ndim, dtype): static, for the cotangent it gets back.
+_Meta = tuple[int, np.dtype]
+
+
+@ft.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
+def _cpu_dot_emulated(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    dn: _DimNums,
+    precision: Any,
+    low: np.dtype,
+    out: np.dtype,
+    lhs_meta: _Meta,
+    rhs_meta: _Meta,
+) -> jax.Array:
+    del lhs_meta, rhs_meta
+    return _rounded_f32_dot(lhs.astype(low), rhs.astype(low), dn, precision).astype(out)
+
+
+def _saved(x: jax.Array, x_low: jax.Array) -> jax.Array:
+    """What the emulated dot keeps of one operand for the backward pass.
+
+    A float32 operand is kept as it is: it is usually a parameter, which the
+    caller holds anyway, so keeping it costs nothing, while a bfloat16 copy
+    would be new memory (and one more rounding pass). An operand that arrives
+    in 16 bits (an activation under autocast) is kept in bfloat16.
+    """
+    return x if x.dtype.itemsize > x_low.dtype.itemsize else x_low
+
+
+def _cpu_dot_emulated_fwd(lhs, rhs, dn, precision, low, out, lhs_meta, rhs_meta):
+    # Symbolic zeros: `lhs` and `rhs` come with `.perturbed`, so an operand is
+    # kept only when the other one's cotangent is needed (as JAX does for its
+    # own dots: the first layer's weight is not kept for the input's gradient).
+    del lhs_meta, rhs_meta
+    lhs_l, rhs_l = lhs.value.astype(low), rhs.value.astype(low)
+    res = _rounded_f32_dot(lhs_l, rhs_l, dn, precision)
+    keep_lhs = _saved(lhs.value, lhs_l) if rhs.perturbed else None
+    keep_rhs = _saved(rhs.value, rhs_l) if lhs.perturbed else None
+    return res.astype(out), (keep_lhs, keep_rhs)
+
+
+def _cpu_dot_emulated_bwd(dn, precision, low, out, lhs_meta, rhs_meta, residuals, g):
+    del low, out
+    kept_lhs, kept_rhs = residuals
+    if _compat.is_symbolic_zero(g):
+        return None, None
+    (lhs_ndim, lhs_dtype), (rhs_ndim, rhs_dtype) = lhs_meta, rhs_meta
+    lhs_labels, rhs_labels, out_labels = _dot_labels(lhs_ndim, rhs_ndim, dn)
+    # Plain float32 dots (no canonical layout): the transposes JAX would emit
+    # for a float32 dot. The cotangent and the float32 operands kept as they
+    # are are not rounded: that would cost passes and buy no speed here.
+    args = (precision, _F32, False)
+    g = g.astype(_F32)
+    d_lhs = d_rhs = None
+    if kept_rhs is not None:
+        rhs_f = kept_rhs.astype(_F32)
+        d_lhs = _contract(g, out_labels, rhs_f, rhs_labels, lhs_labels, *args)
+        d_lhs = d_lhs.astype(lhs_dtype)
+    if kept_lhs is not None:
+        lhs_f = kept_lhs.astype(_F32)
+        d_rhs = _contract(g, out_labels, lhs_f, lhs_labels, rhs_labels, *args)
+        d_rhs = d_rhs.astype(rhs_dtype)
+    return d_lhs, d_rhs
+
+
+_cpu_dot_emulated.defvjp(
+    _cpu_dot_emulated_fwd, _cpu_dot_emulated_bwd, symbolic_zeros=True
+)
+
+
+# --- which formulation runs --------------------------------------------------
+
+
+def _cpu_choice(cpu_bf16: str | None) -> str:
+    if cpu_bf16 is None:
+        return capability.cpu_bf16().formulation
+    if cpu_bf16 not in capability.CHOICES:
+        raise ValueError(
+            "`dot_general(..., cpu_bf16=...)` must be one of "
+            f"{', '.join(capability.CHOICES)} or None, got {cpu_bf16!r}."
+        )
+    return cpu_bf16
+
+
+def formulation(
+    low_dtype: DTypeLike, *, platform: str | None = None, cpu_bf16: str | None = None
+) -> str:
+    """Which formulation :func:`dot_general` uses for ``low_dtype`` dots.
+
+    Args:
+      low_dtype: the dtype the operands are rounded to.
+      platform: the backend (default: JAX's default backend).
+      cpu_bf16: ``"native"``, ``"emulated"`` or ``None`` (this CPU's
+        capability); only consulted for bfloat16 on CPU.
+
+    Returns:
+      ``"cpu_native"`` (bfloat16 GEMMs, forward and backward),
+      ``"cpu_emulated"`` (float32 GEMMs on bfloat16-rounded operands, 16-bit
+      activations kept in bfloat16 for the backward pass), ``"cpu_upcast"``
+      (float16 and other dtypes on CPU: float32 accumulation of the rounded
+      operands), or ``"accelerator"`` (``low x low -> low``, GPU and TPU).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> formulation(jnp.bfloat16, platform="cpu", cpu_bf16="emulated")
+      'cpu_emulated'
+      >>> formulation(jnp.float16, platform="cpu")
+      'cpu_upcast'
+      >>> formulation(jnp.bfloat16, platform="gpu")
+      'accelerator'
+    """
+    if _platform(platform) != "cpu":
+        return "accelerator"
+    if np.dtype(low_dtype) != _BF16:
+        return "cpu_upcast"
+    return f"cpu_{_cpu_choice(cpu_bf16)}"
+
+
+def formulation_note(
+    low_dtype: DTypeLike, *, platform: str | None = None, cpu_bf16: str | None = None
+) -> str:
+    """One sentence for reports: does the backend have native matmuls in
+    ``low_dtype``, and how are the dots computed?
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> print(formulation_note(jnp.bfloat16, platform="cpu", cpu_bf16="emulated"))
+      Dots: no native bfloat16 matmul ... on this CPU, where a bfloat16 GEMM ...
+    """
+    kind = formulation(low_dtype, platform=platform, cpu_bf16=cpu_bf16)
+    name = np.dtype(low_dtype).name
+    if kind == "accelerator":
+        return (
+            f"Dots: {_platform(platform)} matmuls in {name} are native: they run "
+            f"{name} x {name} -> {name} (accumulated in float32 by the hardware), "
+            "backward dots too."
+        )
+    if kind == "cpu_upcast":
+        return (
+            f"Dots: XLA:CPU has no native {name} matmul: dots take {name}-rounded "
+            f"operands and accumulate in float32, so {name} gives {name} numerics "
+            "and saves memory on a CPU, but no speed-up (use bfloat16 for speed)."
+        )
+    cap = capability.cpu_bf16()
+    if cpu_bf16 is not None and cpu_bf16 != cap.formulation:
+        cap = capability.Capability(cpu_bf16 == "native", "argument", cpu_bf16)
+    if kind == "cpu_native":
+        return (
+            f"Dots: {cap.describe()} on this CPU: dots run as bfloat16 x bfloat16 "
+            "-> float32 GEMMs, backward dots too (MIXPREC_CPU_BF16=emulated "
+            "forces float32 GEMMs)."
+        )
+    return (
+        f"Dots: {cap.describe()} on this CPU, where a bfloat16 GEMM is slower "
+        "than a float32 one: dots run as float32 GEMMs on bfloat16-rounded "
+        "operands and keep bfloat16 activations for the backward pass, i.e. "
+        "bfloat16 numerics and memory at about float32's speed, no speed-up "
+        "(MIXPREC_CPU_BF16=native forces bfloat16 GEMMs)."
+    )
+
+
 def dot_general(
     lhs: ArrayLike,
     rhs: ArrayLike,
@@ -407,13 +605,17 @@ def dot_general(
     forward_mode_ad: bool = False,
     out_sharding: Any = None,
     platform: str | None = None,
+    cpu_bf16: str | None = None,
 ) -> jax.Array:
     """A ``lax.dot_general`` with inputs rounded to ``low_dtype``, in ``out_dtype``.
 
-    The backend decides how the product runs (see the module docstring): on CPU
-    ``low x low -> float32`` with low-precision backward dots through a
-    ``custom_vjp``; on GPU/TPU ``low x low -> low``. Gradients with respect to
-    ``lhs`` and ``rhs`` come back in their own dtypes.
+    The backend decides how the product runs (see the module docstring): on a
+    CPU with native bfloat16 matmuls ``low x low -> float32`` with
+    low-precision backward dots through a ``custom_vjp``; on a CPU without,
+    float32 GEMMs on operands rounded to bfloat16, keeping 16-bit activations
+    in bfloat16 for the backward pass; on GPU/TPU ``low x low -> low``.
+    Gradients with respect to ``lhs`` and ``rhs`` come back in their own
+    dtypes.
 
     Args:
       lhs: left operand (any floating dtype).
@@ -432,6 +634,9 @@ def dot_general(
       out_sharding: passed through to ``jax.lax.dot_general`` when not None.
       platform: the backend to formulate for (``"cpu"``, ``"gpu"``, ``"tpu"``);
         defaults to ``jax.default_backend()``.
+      cpu_bf16: for bfloat16 on CPU: ``"native"`` (bfloat16 GEMMs) or
+        ``"emulated"`` (float32 GEMMs on rounded operands); ``None``: what this
+        CPU has (:func:`mixprec._src.autocast.capability.cpu_bf16`).
 
     Returns:
       The product, with dtype ``out_dtype``.
@@ -455,28 +660,64 @@ def dot_general(
             "`dot_general(lhs, rhs, ...)` expects floating operands, got "
             f"{lhs.dtype} and {rhs.dtype}."
         )
+    plat = _platform(platform)
+    emulated = formulation(low, platform=plat, cpu_bf16=cpu_bf16) == "cpu_emulated"
     if out_sharding is not None or _explicitly_sharded(lhs, rhs):
         # Explicit sharding: the reshapes of the canonical layout and the
         # custom backward would need output shardings of their own, so keep
         # JAX's formulation (and its sharding-aware transpose rules).
+        lhs_l, rhs_l = lhs.astype(low), rhs.astype(low)
+        if emulated:
+            lhs_l, rhs_l = lhs_l.astype(_F32), rhs_l.astype(_F32)
         res = lax.dot_general(
-            lhs.astype(low),
-            rhs.astype(low),
+            lhs_l,
+            rhs_l,
             dn,
             precision=precision,
             preferred_element_type=_F32,
             out_sharding=out_sharding,
         )
         return res.astype(out)
-    plat = _platform(platform)
     if plat != "cpu":
         res = lax.dot_general(lhs.astype(low), rhs.astype(low), dn, precision=precision)
         return res.astype(out)
+    if emulated:
+        if forward_mode_ad:
+            res = _rounded_f32_dot(lhs.astype(low), rhs.astype(low), dn, precision)
+            return res.astype(out)
+        return _cpu_dot_emulated(
+            lhs,
+            rhs,
+            dn,
+            precision,
+            low,
+            out,
+            (lhs.ndim, lhs.dtype),
+            (rhs.ndim, rhs.dtype),
+        )
     if forward_mode_ad:
         lhs_l, rhs_l = lhs.astype(low), rhs.astype(low)
         res = _canonical_dot(lhs_l, rhs_l, dn, precision, _F32, low == _BF16)
         return res.astype(out)
     return _cpu_dot(lhs, rhs, dn, precision, low, out, lhs.dtype, rhs.dtype)
+
+
+def conv_note(low_dtype: DTypeLike, *, platform: str | None = None) -> str:
+    """One sentence for reports on how :func:`conv_general_dilated` runs.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> print(conv_note(jnp.bfloat16, platform="cpu"))
+      Convolutions: XLA:CPU has no bfloat16 convolution kernel: ...
+    """
+    name = np.dtype(low_dtype).name
+    if _platform(platform) != "cpu":
+        return f"Convolutions: {name} x {name} -> {name}, native on this backend."
+    return (
+        f"Convolutions: XLA:CPU has no {name} convolution kernel: convolutions "
+        f"take {name}-rounded operands and accumulate in float32 ({name} "
+        "numerics, float32 speed)."
+    )
 
 
 def conv_general_dilated(

@@ -425,6 +425,7 @@ def run_bench(
         "cpu": env["cpu_model"],
         "cpu cores": env["cpu_count"],
         "cpu flags": timing.flags_summary(env["cpu_flags"]),
+        "16-bit matmuls": _matmul_support(env["backend"]),
         "size set": size_set,
         "repeats": repeats,
         "timed steps per round": steps,
@@ -450,6 +451,15 @@ def run_bench(
             + f"); the others are in {out_dir / 'bench.md'}"
         )
     return 0
+
+
+def _matmul_support(platform: str) -> str:
+    from ..autocast import capability
+    from .demo.report import matmul_support
+
+    return matmul_support(
+        platform, capability.cpu_bf16() if platform == "cpu" else None
+    )
 
 
 def _with_ratios(v: Variant, variants: Sequence[Variant]) -> dict[str, Any]:

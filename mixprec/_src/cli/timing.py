@@ -8,9 +8,10 @@ Shared by ``mixprec demo``, ``mixprec bench`` and the scripts in ``benchmarks/``
 * :func:`memory_analysis`: XLA's ``compiled.memory_analysis()`` as a dict.
 * :func:`residual_bytes`: the bytes the forward pass saves for the backward pass
   (the leaves of the ``jax.vjp`` closure, by shape: nothing runs).
-* :func:`environment`: JAX/jaxlib/mixprec versions, the device, the CPU model and
-  the CPU flags that decide what runs natively (``avx512_bf16``, ``amx_bf16``...),
-  for every JSON result.
+* :func:`environment`: JAX/jaxlib/mixprec versions, the device, the CPU model,
+  the CPU flags that decide what runs natively (``avx512_bf16``, ``amx_bf16``...)
+  and the bfloat16 dot formulation autocast picked from them, for every JSON
+  result.
 """
 
 from __future__ import annotations
@@ -282,7 +283,22 @@ def environment() -> dict[str, Any]:
         "cpu_model": cpu["model"],
         "cpu_count": os.cpu_count(),
         "cpu_flags": cpu["flags"],
+        "cpu_bf16": _cpu_bf16(),
         "loadavg": load,
+    }
+
+
+def _cpu_bf16() -> dict[str, Any] | None:
+    """How autocast runs bfloat16 dots on this CPU (``None`` off the CPU)."""
+    if jax.default_backend() != "cpu":
+        return None
+    from mixprec._src.autocast import capability
+
+    cap = capability.cpu_bf16()
+    return {
+        "native": cap.native,
+        "formulation": cap.formulation,
+        "describe": cap.describe(),
     }
 
 

@@ -54,6 +54,15 @@ def _saturated(ctx: CastContext, vals: tuple[Any, ...], low: np.dtype) -> list[A
     return out
 
 
+def _note_formulation(ctx: CastContext, low: np.dtype) -> None:
+    """Tells an observer (``explain``) how the backend runs this dot."""
+    if ctx.walk.observer is not None:
+        note = dots.formulation_note(
+            low, platform=ctx.platform, cpu_bf16=ctx.config.cpu_bf16
+        )
+        ctx.walk.observer.on_note(ctx.walk, ctx.eqn, note)
+
+
 def _float8_dot_general(ctx: CastContext, lhs: Any, rhs: Any, **params: Any) -> Any:
     d = ctx.decision
     assert d.float8 is not None and d.operand_dtypes is not None
@@ -115,7 +124,9 @@ def _dot_general_rule(ctx: CastContext, lhs: Any, rhs: Any, **params: Any) -> An
         forward_mode_ad=not ctx.config.custom_vjp_dots,
         out_sharding=params.get("out_sharding"),
         platform=ctx.platform,
+        cpu_bf16=ctx.config.cpu_bf16,
     )
+    _note_formulation(ctx, low)
     if not keep_wide:
         return res
     out = lax.convert_element_type(res, out_dtype)
@@ -132,6 +143,9 @@ def _conv_general_dilated_rule(
     if low is None:
         return itp.default_rule(P.conv_general_dilated_p, ctx, lhs, rhs, **params)
     lhs, rhs = _saturated(ctx, (lhs, rhs), low)
+    if ctx.walk.observer is not None:
+        note = dots.conv_note(low, platform=ctx.platform)
+        ctx.walk.observer.on_note(ctx.walk, ctx.eqn, note)
     return dots.conv_general_dilated(
         lhs,
         rhs,

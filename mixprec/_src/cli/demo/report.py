@@ -119,7 +119,7 @@ def markdown(
       # mixprec demo
     """
     lines = ["# mixprec demo", ""]
-    lines += [f"- {k}: {v}" for k, v in meta.items()]
+    lines += [f"- {k}: {v}" for k, v in meta.items() if k != "why slower"]
     for name, group in group_by_workload(results).items():
         lines += ["", f"## {name}: {titles.get(name, '')}".rstrip(), ""]
         mechs = sorted({r.mechanism for r in group} - {"float32"})
@@ -129,8 +129,147 @@ def markdown(
         lines.append("| " + " | ".join(cols) + " |")
         lines.append("|" + "---|" * len(cols))
         lines += ["| " + " | ".join(row) + " |" for row in table]
+    notes = list(meta.get("why slower", []))
+    if notes:
+        lines += ["", "Slower than float32, and why:", ""]
+        lines += [f"- {n}" for n in notes]
     lines += ["", NOTES]
     return "\n".join(lines) + "\n"
+
+
+def matmul_support(platform: str, cpu_bf16: Any = None) -> str:
+    """One line for the run's metadata: which 16-bit matmuls are native here.
+
+    Args:
+      platform: JAX's backend (``"cpu"``, ``"gpu"``, ``"tpu"``).
+      cpu_bf16: on CPU, the
+        :class:`~mixprec._src.autocast.capability.Capability` of bfloat16.
+
+    Examples:
+      >>> from mixprec._src.autocast.capability import Capability
+      >>> cap = Capability(False, "CPU features", "no AVX512BF16")
+      >>> print(matmul_support("cpu", cap))
+      bfloat16: no native bfloat16 matmul (no AVX512BF16; ...
+    """
+    if platform != "cpu":
+        return f"{platform}: bfloat16 and float16 matmuls run natively"
+    if cpu_bf16 is not None and cpu_bf16.native:
+        bf16 = f"{cpu_bf16.describe()}: bfloat16 GEMMs"
+    elif cpu_bf16 is not None:
+        bf16 = (
+            f"{cpu_bf16.describe()}: float32 GEMMs on bfloat16-rounded operands "
+            "(memory saved, no speed-up expected)"
+        )
+    else:
+        bf16 = "unknown"
+    return (
+        f"bfloat16: {bf16}; float16: no native CPU matmul in XLA (float32 GEMMs "
+        "on float16-rounded operands: memory saved, no speed-up)"
+    )
+
+
+def _speed(r: RunResult, base: RunResult | None) -> float:
+    if base is None or r.error or not r.median_step_s > 0:
+        return math.nan
+    return base.median_step_s / r.median_step_s
+
+
+def speed_notes(
+    results: Sequence[RunResult],
+    *,
+    platform: str,
+    cpu_bf16: Any = None,
+    load: float | None = None,
+) -> list[str]:
+    """Why each mixed-precision run that is slower than float32 is slower.
+
+    A slowdown is never shown without a reason: the known causes on this
+    backend (no native matmul in that dtype, hand-written casts that XLA:CPU
+    upcasts), else what is left (small matrices, load from other processes).
+
+    Args:
+      results: the runs of one or more workloads.
+      platform: JAX's backend.
+      cpu_bf16: on CPU, the bfloat16 capability (see :func:`matmul_support`).
+      load: the 1-minute load average while timing, if known.
+
+    Returns:
+      One line per slower run, ``"<workload> <precision>: 0.62x float32 - why"``.
+
+    Examples:
+      >>> r32 = RunResult("lm", "float32", "float32", 9, round_times_s=[0.01])
+      >>> r16 = RunResult("lm", "mixed_float16", "autocast", 9, round_times_s=[0.02])
+      >>> print(speed_notes([r32, r16], platform="cpu")[0])
+      lm mixed_float16: 0.50x float32 - XLA:CPU has no float16 matmul...
+    """
+    notes = []
+    for group in group_by_workload(results).values():
+        base = next(
+            (r for r in group if r.precision == "float32" and not r.error), None
+        )
+        for r in group:
+            speed = _speed(r, base)
+            if r.precision == "float32" or not math.isfinite(speed) or speed >= 1.0:
+                continue
+            notes.append(
+                f"{r.workload} {r.precision}: {speed:.2f}x float32 - "
+                + _why_slower(r, platform, cpu_bf16, load)
+            )
+    return notes
+
+
+def _why_slower(r: RunResult, platform: str, cpu_bf16: Any, load: float | None) -> str:
+    busy = (
+        f"; the machine was busy (load average {load:.1f}), which makes "
+        "step times noisy"
+        if load is not None and load >= 1.0
+        else ""
+    )
+    if platform != "cpu":
+        return (
+            "no known cause on this backend: small models do not keep the device "
+            f"busy (try --size full){busy}"
+        )
+    if r.precision == "mixed_float8":
+        return (
+            "CPUs have no float8 arithmetic: float8 products are emulated "
+            "(quantized operands multiplied in bfloat16 with float32 "
+            "accumulation, scales applied after), so they are slower than "
+            f"bfloat16 by design; the run is there for its accuracy{busy}."
+        )
+    if r.precision == "mixed_float16":
+        return (
+            "XLA:CPU has no float16 matmul: float16 dots run as float32 GEMMs on "
+            "float16-rounded operands, so float16 cannot be faster than float32 "
+            "on a CPU; what it saves is memory (saved-for-bwd), at the cost of "
+            "the rounding passes and loss scaling. Use bfloat16 for speed on a "
+            f"CPU with native bfloat16 matmuls{busy}."
+        )
+    if r.mechanism == "manual":
+        return (
+            "hand-written casting gives bfloat16 x bfloat16 -> bfloat16 dots, which "
+            "XLA:CPU converts to float32 dots (docs/performance.md); the autocast "
+            f"mechanism formulates them for the CPU{busy}."
+        )
+    if cpu_bf16 is not None and not cpu_bf16.native:
+        return (
+            f"this CPU has {cpu_bf16.describe()}, so the dots run as float32 "
+            "GEMMs on bfloat16-rounded operands: no faster than float32 by "
+            "design; the gap is the cost of rounding operands and activations, "
+            f"bought for the memory saved (saved-for-bwd){busy}."
+        )
+    if cpu_bf16 is not None and cpu_bf16.forced:
+        return (
+            f"bfloat16 GEMMs were forced ({cpu_bf16.describe()}): on a CPU "
+            "without AVX-512 BF16 or AMX-BF16 they are slower than float32 "
+            "ones, and there the automatic choice is float32 GEMMs on "
+            f"bfloat16-rounded operands{busy}."
+        )
+    return (
+        "no known cause: bfloat16 matmuls are native here, but at these sizes "
+        "the rounding passes can cost more than the GEMMs save (try --size "
+        f"full){busy}."
+    )
 
 
 NOTES = (

@@ -18,6 +18,7 @@ def _meta(
 
     env = timing.environment()
     return {
+        "16-bit matmuls": _matmul_support(env["backend"]),
         "date": env["date"],
         "device": env["device"],
         "cpu": env["cpu_model"],
@@ -35,6 +36,20 @@ def _meta(
             "/2 on inf/NaN"
         ),
     }
+
+
+def _cpu_bf16(platform: str) -> Any:
+    if platform != "cpu":
+        return None
+    from ...autocast import capability
+
+    return capability.cpu_bf16()
+
+
+def _matmul_support(platform: str) -> str:
+    from .report import matmul_support
+
+    return matmul_support(platform, _cpu_bf16(platform))
 
 
 def run_demo(
@@ -142,6 +157,15 @@ def run_demo(
         train_lib.time_interleaved([r for r in results if r.workload == name])
 
     meta["wall time (s)"] = round(time.perf_counter() - t_start, 1)
+    import jax
+
+    platform = jax.default_backend()
+    meta["why slower"] = report.speed_notes(
+        results,
+        platform=platform,
+        cpu_bf16=_cpu_bf16(platform),
+        load=os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    )
     report.write_json(out_dir / "results.json", results, meta)
     (out_dir / "results.md").write_text(report.markdown(results, titles, meta))
     png = None
@@ -150,6 +174,11 @@ def run_demo(
 
         png = plot_lib.save_figure(results, out_dir / "demo.png", titles=titles)
     report.print_tables(results, titles, console=console)
+    console.print(f"16-bit matmuls: {meta['16-bit matmuls']}")
+    if meta["why slower"]:
+        console.print("Slower than float32, and why:")
+        for note in meta["why slower"]:
+            console.print(f"  - {note}")
     console.print(report.NOTES, style="dim")
     console.print(
         f"wrote {out_dir / 'results.md'}, {out_dir / 'results.json'}"
