@@ -9,5 +9,6 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 # bfloat16 matmuls (jaxprs with bf16 dots, their exact backward numerics) on any
 # CPU; tests/test_cpu_bf16.py covers the other formulation and the detection
 # with explicit overrides. Without this, an AVX2-only CI machine would pick the
-# other formulation for every test.
-os.environ["MIXPREC_CPU_BF16"] = "native"
+# other formulation for every test. `MIXPREC_CPU_BF16=emulated pytest ...` runs
+# the behavioural tests under the other one.
+os.environ.setdefault("MIXPREC_CPU_BF16", "native")

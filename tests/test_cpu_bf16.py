@@ -559,10 +559,13 @@ def test_demo_states_which_matmuls_are_native():
 
 
 @needs_cpu
-def test_conftest_pins_the_native_formulation_for_the_suite():
-    # See the root conftest.py: every other test module sees this.
-    assert _config.cpu_bf16 == "native"
-    assert make_config("mixed_bfloat16", platform="cpu").cpu_bf16 == "native"
+def test_conftest_pins_the_formulation_for_the_suite():
+    # See the root conftest.py: every other test module sees this (native
+    # unless MIXPREC_CPU_BF16 was set for the run).
+    pinned = os.environ["MIXPREC_CPU_BF16"]
+    assert pinned in ("native", "emulated")
+    assert _config.cpu_bf16 == pinned
+    assert make_config("mixed_bfloat16", platform="cpu").cpu_bf16 == pinned
 
 
 @needs_cpu
