@@ -462,6 +462,7 @@ def trace_functions() -> dict[str, Callable[[], Callable[..., Any]]]:
         "value_and_grad/autocast": lambda: jax.value_and_grad(
             mixprec.autocast(residual_loss(), "mixed_bfloat16")
         ),
+        "value_and_grad/hand_bf16": lambda: jax.value_and_grad(residual_loss_bf16()),
         "step/plain": lambda: step_of(residual_loss()),
         "step/autocast": lambda: mixprec.autocast(
             step_of(residual_loss()), "mixed_bfloat16"
@@ -499,8 +500,11 @@ def trace_rows(layers: tuple[int, ...], repeats: int) -> list[dict[str, Any]]:
     """Trace+lower time and equation counts, plain vs autocast; XLA compile time of
     the step: float32, autocast and by hand in bfloat16."""
     factories = trace_functions()
-    traced = ("value_and_grad/plain", "value_and_grad/autocast")
-    traced += ("step/plain", "step/autocast")
+    traced = tuple(
+        f"{what}/{how}"
+        for what in ("value_and_grad", "step")
+        for how in ("plain", "autocast", "hand_bf16")
+    )
     compiled = ("step/plain", "step/autocast", "step/hand_bf16")
     rows = []
     for n in layers:
@@ -518,7 +522,7 @@ def trace_rows(layers: tuple[int, ...], repeats: int) -> list[dict[str, Any]]:
         )
         eqns = {
             name: count_eqns(jax.jit(factories[name]()).trace(params, x).jaxpr)
-            for name in (*traced, "step/hand_bf16")
+            for name in traced
         }
         print(f"[trace] {n} layers: XLA compile x {repeats} ...", flush=True)
 
@@ -560,6 +564,17 @@ def trace_rows(layers: tuple[int, ...], repeats: int) -> list[dict[str, Any]]:
                 cpu_ratio_per_eqn=timing.ratio(cpu_auto / n_auto, cpu_plain / n_plain),
                 extra_us_per_plain_eqn=1e6 * (auto - plain) / n_plain,
                 extra_cpu_us_per_plain_eqn=1e6 * (cpu_auto - cpu_plain) / n_plain,
+                # The same computation written by hand in bf16: its casts are
+                # equations too, so this is the floor for emitting them.
+                hand_bf16_cpu_s=timing.median(cpu[f"{what}/hand_bf16"]),
+                hand_bf16_cpu_times_s=cpu[f"{what}/hand_bf16"],
+                eqns_hand_bf16=eqns[f"{what}/hand_bf16"],
+                hand_bf16_cpu_ratio=timing.ratio(
+                    timing.median(cpu[f"{what}/hand_bf16"]), cpu_plain
+                ),
+                cpu_ratio_vs_hand_bf16=timing.ratio(
+                    cpu_auto, timing.median(cpu[f"{what}/hand_bf16"])
+                ),
             )
         row["compile"] = {
             name.split("/")[1]: dict(
@@ -582,8 +597,9 @@ def fmt_trace_table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| layers | traced + lowered | plain ms | autocast ms | ratio | plain CPU ms "
         "| autocast CPU ms | CPU ratio | eqns plain | eqns autocast | plain CPU "
-        "us/eqn | autocast CPU us/eqn | CPU ratio per eqn |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "us/eqn | autocast CPU us/eqn | CPU ratio per eqn | hand bf16 CPU ms "
+        "| hand bf16 / plain | autocast / hand bf16 |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         for what in ("value_and_grad", "step"):
@@ -595,7 +611,9 @@ def fmt_trace_table(rows: list[dict[str, Any]]) -> str:
                 f"| {m['cpu_ratio']:.2f}x | {m['eqns_plain']} | {m['eqns_autocast']} "
                 f"| {m['plain_cpu_us_per_eqn']:.0f} "
                 f"| {m['autocast_cpu_us_per_eqn']:.0f} "
-                f"| {m['cpu_ratio_per_eqn']:.2f} |"
+                f"| {m['cpu_ratio_per_eqn']:.2f} "
+                f"| {1e3 * m['hand_bf16_cpu_s']:.1f} | {m['hand_bf16_cpu_ratio']:.2f}x "
+                f"| {m['cpu_ratio_vs_hand_bf16']:.2f}x |"
             )
     lines += [
         "",
@@ -606,8 +624,9 @@ def fmt_trace_table(rows: list[dict[str, Any]]) -> str:
         "eqns: equations of the traced jaxpr, sub-jaxprs included. us/eqn flat "
         "across depths = cost linear in the equation count. CPU ratio per eqn: "
         "CPU ratio / (eqns autocast / eqns plain), the cost of an autocast "
-        "equation relative to a plain one. The JSON has the wall-time per-equation "
-        "figures too.",
+        "equation relative to a plain one. hand bf16: the same computation written "
+        "by hand in bfloat16 (casts included), CPU time; the floor for a jaxpr "
+        "that holds the casts. The JSON has the wall-time per-equation figures too.",
     ]
     lines += [
         "",
