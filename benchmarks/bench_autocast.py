@@ -41,9 +41,9 @@ at batch 8192; the trace+compile time of the step with plain bf16 dots, with
 ``jax.jit``; and the trace cost of autocast (``--trace-only`` runs just that): a
 residual MLP (``h = h + tanh(h @ w + b)``, d=64, batch 32) at 16, 64 and 256
 layers, trace+lower time of ``value_and_grad(loss)`` and of a whole SGD train
-step, plain vs ``mixprec.autocast`` vs written by hand in bfloat16, against the equation counts of the traced
-jaxprs, and XLA's compile time of the autocast step vs the same step written
-by hand in bfloat16.
+step, plain vs ``mixprec.autocast`` vs written by hand in bfloat16, against
+the equation counts of the traced jaxprs, and XLA's compile time of the
+autocast step vs the same step written by hand in bfloat16.
 
 Usage::
 

@@ -32,7 +32,7 @@ from jax.extend import source_info_util as siu
 from jax.extend.core import jaxpr_as_fun
 
 from mixprec._src import _compat
-from mixprec._src.autocast import interpreter, regions, rules
+from mixprec._src.autocast import interpreter, nnx_state, regions, rules
 from mixprec._src.autocast.config import CastConfig, make_config
 from mixprec._src.autocast.interpreter import Observer, Walk
 from mixprec._src.autocast.ops import OpLists
@@ -121,6 +121,12 @@ def _aval(x: Any) -> Any:
     return _compat.get_aval(x)
 
 
+def _float_or_none(dtype: Any) -> np.dtype | None:
+    if dtype is None or not jax.numpy.issubdtype(dtype, np.floating):
+        return None
+    return np.dtype(dtype)
+
+
 def _cast_output(x: Any, dtype: np.dtype) -> Any:
     return interpreter.cast(x, dtype)
 
@@ -146,7 +152,10 @@ def _build(
     dyn_idx: list[int],
     region_stack: str,
     observer: Observer | None = None,
+    state_out: bool = False,
 ) -> _Entry:
+    """Traces ``fn``, walks its jaxpr and traces the result. With ``state_out``,
+    ``fn`` returns ``(result, state)`` and the state keeps its traced dtypes."""
     out_info: dict[str, Any] = {}
 
     def flat_fn(*dyn: Any) -> list[Any]:
@@ -165,7 +174,13 @@ def _build(
             i: x for i, x in enumerate(out_leaves) if not _is_dynamic(x)
         }
         out_info["n"] = len(out_leaves)
-        return [x for x in out_leaves if _is_dynamic(x)]
+        # With state_out, `out` is (result, state); the state's leaves come last.
+        first_state = len(out_leaves)
+        if state_out:
+            first_state -= len(jax.tree.leaves(out[1]))
+        dyn_out = [i for i, x in enumerate(out_leaves) if _is_dynamic(x)]
+        out_info["is_state"] = [i >= first_state for i in dyn_out]
+        return [out_leaves[i] for i in dyn_out]
 
     in_avals = [_aval(leaves[i]) for i in dyn_idx]
     name = getattr(fn, "__name__", type(fn).__name__)
@@ -176,9 +191,20 @@ def _build(
     marks = [interpreter.CONST] * len(consts) + [0] * len(in_avals)
     out_dtype = config.policy.output_dtype
 
+    # State written back into the caller's objects keeps the dtype the function
+    # gives it without autocast; everything else gets the policy's output dtype.
+    # (None: not a float, e.g. an RNG key of an `nnx.Rngs`; left as it is.)
+    out_dtypes = [
+        (_float_or_none(getattr(v.aval, "dtype", None)) if is_state else out_dtype)
+        for v, is_state in zip(jaxpr.outvars, out_info["is_state"], strict=True)
+    ]
+
     def interp(*vals: Any) -> list[Any]:
         outs, _ = interpreter.eval_jaxpr(walk, jaxpr, [], vals, marks)
-        return [_cast_output(o, out_dtype) for o in outs]
+        return [
+            o if d is None else _cast_output(o, d)
+            for o, d in zip(outs, out_dtypes, strict=True)
+        ]
 
     const_avals = [_compat.get_aval(c) for c in consts]
     transformed = _compat.trace_to_closed_jaxpr(
@@ -215,6 +241,8 @@ def _run(
     config: CastConfig,
     args: tuple,
     kwargs: dict,
+    *,
+    state_out: bool = False,
 ) -> Any:
     leaves, treedef, dyn_idx, skey = _split(args, kwargs)
     dyn = [leaves[i] for i in dyn_idx]
@@ -228,7 +256,9 @@ def _run(
         entry = _cache.get(fn, key)
     if entry is None:
         _cache.misses += 1
-        entry = _build(fn, config, leaves, treedef, dyn_idx, region_stack)
+        entry = _build(
+            fn, config, leaves, treedef, dyn_idx, region_stack, state_out=state_out
+        )
         if key is not None and not any(_compat.is_tracer(c) for c in entry.consts):
             _cache.put(fn, key, entry)
     if _compat.is_staging():
@@ -313,6 +343,11 @@ def autocast(
     nested autocast with its own configuration wins inside). A second call with
     the same argument types does not re-trace.
 
+    Flax NNX objects among the arguments (modules, ``nnx.Optimizer``, metrics,
+    ``nnx.Rngs``) may be updated in place by ``fn``, as under ``nnx.jit``: the
+    state they end with is written back into them, in the dtypes ``fn`` gives
+    it without autocast.
+
     Array arguments (``jax.Array``, NumPy arrays, tracers) are traced; every
     other leaf of the arguments (Python numbers, strings, ``None``, static
     config) is treated as static, like ``equinox.filter_jit``: a new value
@@ -393,6 +428,8 @@ def autocast(
     if policy is None:
         make(get_global_policy())  # validate the arguments now
 
+    pures: dict[Any, Callable[..., Any]] = {}
+
     @ft.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         config = fixed if fixed is not None else _config_for(make, get_global_policy())
@@ -419,7 +456,19 @@ def autocast(
                 return fn(*args, **kwargs)
             with jax.named_scope(regions.context_marker(config)):
                 return fn(*args, **kwargs)
-        return _run(fn, config, args, kwargs)
+        stateful = nnx_state.split_args(args, kwargs)
+        if stateful is None:
+            return _run(fn, config, args, kwargs)
+        # Flax NNX objects are updated in place: run `fn` on their state and
+        # write the state back (see nnx_state).
+        pure = pures.get(stateful.key)
+        if pure is None:
+            pure = pures[stateful.key] = nnx_state.make_pure(fn, stateful.key)
+        out, new_state = _run(
+            pure, config, (stateful.state, stateful.others), {}, state_out=True
+        )
+        stateful.write_back(new_state)
+        return out
 
     wrapped.__mixprec_autocast__ = True  # type: ignore[attr-defined]
     return wrapped  # type: ignore[return-value]

@@ -1,0 +1,102 @@
+"""Flax NNX objects as arguments of an autocast function: state in, state out.
+
+NNX objects (modules, ``nnx.Optimizer``, metrics, ``nnx.Rngs``) are updated in
+place: ``optimizer.update(model, grads)``, batch-norm statistics, RNG counters.
+autocast traces its function to a jaxpr, and tracing hands the function copies
+of its pytree arguments, so those updates would land on the copies and be lost
+without a word (as under a plain ``jax.jit``). Instead autocast does what
+``nnx.jit`` does: it splits the NNX objects among the arguments into a graph
+definition and their state, runs the function on objects merged from that
+state, and writes the state they end with back into the caller's objects.
+
+Variables shared between arguments (a model and an optimizer that refers to
+its parameters) stay shared: all NNX objects of a call are split together.
+Flax is not imported here unless the caller has imported ``flax.nnx``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+
+def _nnx() -> Any:
+    return sys.modules.get("flax.nnx")
+
+
+@dataclasses.dataclass(frozen=True)
+class StatefulCall:
+    """A call whose arguments hold NNX objects, split into state and the rest.
+
+    Attributes:
+        nodes: the caller's NNX objects, in argument order (updated in place by
+            :meth:`write_back`).
+        state: their state (``nnx.State``), the dynamic input of the call.
+        others: the argument leaves that are not NNX objects.
+        key: what the pure function depends on besides its inputs (the graph
+            definition and where the objects sit among the arguments).
+    """
+
+    nodes: list[Any]
+    state: Any
+    others: list[Any]
+    key: tuple[Any, ...]
+
+    def write_back(self, new_state: Any) -> None:
+        """Writes the state the objects ended with into the caller's objects."""
+        _nnx().update(self.nodes, new_state)
+
+
+def split_args(args: tuple, kwargs: dict) -> StatefulCall | None:
+    """The NNX objects among ``args``/``kwargs`` and their state, or None when
+    there are none (or ``flax.nnx`` was never imported)."""
+    nnx = _nnx()
+    if nnx is None:
+        return None
+    is_node = nnx.graph.is_graph_node
+    leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=is_node)
+    where = tuple(i for i, leaf in enumerate(leaves) if is_node(leaf))
+    if not where:
+        return None
+    nodes = [leaves[i] for i in where]
+    graphdef, state = nnx.split(nodes)
+    others = [leaf for i, leaf in enumerate(leaves) if i not in set(where)]
+    return StatefulCall(nodes, state, others, (graphdef, treedef, where))
+
+
+def make_pure(fn: Callable[..., Any], key: tuple[Any, ...]) -> Callable[..., Any]:
+    """``pure(state, others) -> (out, new_state)``: ``fn`` on NNX objects merged
+    from ``state``, returning the state they end with."""
+    graphdef, treedef, where = key
+    name = getattr(fn, "__name__", type(fn).__name__)
+
+    def pure(state: Any, others: list[Any]) -> tuple[Any, Any]:
+        nnx = _nnx()
+        nodes = iter(nnx.merge(graphdef, state))
+        rest = iter(others)
+        positions = set(where)
+        leaves = [
+            next(nodes) if i in positions else next(rest)
+            for i in range(treedef.num_leaves)
+        ]
+        args, kwargs = jax.tree.unflatten(treedef, leaves)
+        out = fn(*args, **kwargs)
+        merged = [leaves[i] for i in where]
+        new_graphdef, new_state = nnx.split(merged)
+        if new_graphdef != graphdef:
+            raise ValueError(
+                f"`autocast({name})` was given NNX objects and `{name}` changed "
+                "their structure (added or removed a submodule or a variable, "
+                "or changed a static attribute). autocast writes the state of "
+                "the objects back after the call, which needs the same "
+                "structure: create submodules and variables before calling "
+                "the autocast function."
+            )
+        return out, new_state
+
+    pure.__name__ = name
+    return pure
