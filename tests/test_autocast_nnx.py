@@ -165,3 +165,35 @@ def test_calls_without_nnx_objects_are_unchanged():
     out = f(jnp.ones((3, 2)), jnp.ones((4, 3)))
     assert out.dtype == F32
     assert_trees_close(out, jnp.full((4, 2), 3.0), dtype=BF16)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_module_as_the_function_updates_its_own_state(jit):
+    model = _Net(nnx.Rngs(0, dropout=1))
+    ref = _Net(nnx.Rngs(0, dropout=1))
+
+    def call(m, x):
+        return mixprec.autocast(m, "mixed_bfloat16")(x)
+
+    if jit:
+        call = nnx.jit(call)
+    want = ref(_X)
+    got = call(model, _X)
+    assert got.dtype == F32
+    assert_trees_close(got, want, dtype=BF16)
+    assert_trees_close(model.bn.mean[...], ref.bn.mean[...], dtype=BF16)
+    assert np.any(np.asarray(model.bn.mean[...]) != 0)
+
+
+def test_explain_and_diagnose_take_nnx_objects_and_leave_them_alone():
+    model, opt = _setup()
+    before = _state(model, opt)
+    step = _step(_loss)
+    report = mixprec.explain(step, model, opt, _X, _Y, policy="mixed_bfloat16")
+    dots = report.find("dot_general")
+    assert dots and all(op.decision == "low" for op in dots)
+    mixprec.diagnose(step, model, opt, _X, _Y, policy="mixed_bfloat16")
+    mixprec.explain(model, _X, policy="mixed_bfloat16")
+    mixprec.diagnose(model, _X, policy="mixed_bfloat16")
+    after = _state(model, opt)
+    assert jax.tree.all(jax.tree.map(np.array_equal, before, after))

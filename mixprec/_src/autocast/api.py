@@ -291,6 +291,14 @@ def trace_transformed(
     transformed closed jaxpr and the traced one it was built from (whose
     equations the observer saw).
     """
+    prepared = nnx_state.prepare(fn, args, kwargs)
+    if prepared is not None:
+        # NNX objects: what autocast runs is the pure function over their
+        # state (nothing is written back here).
+        target, stateful = prepared
+        name = getattr(fn, "__name__", type(fn).__name__)
+        fn = nnx_state.make_pure(target, stateful.key, name)
+        args, kwargs = (stateful.state, stateful.others), {}
     leaves, treedef = jax.tree.flatten((args, kwargs))
     dyn_idx = [
         i
@@ -298,7 +306,14 @@ def trace_transformed(
         if _is_dynamic(x) or isinstance(x, jax.ShapeDtypeStruct)
     ]
     entry = _build(
-        fn, config, leaves, treedef, dyn_idx, _current_region(), observer=observer
+        fn,
+        config,
+        leaves,
+        treedef,
+        dyn_idx,
+        _current_region(),
+        observer=observer,
+        state_out=prepared is not None,
     )
     return entry.transformed, entry.source
 
@@ -429,6 +444,7 @@ def autocast(
         make(get_global_policy())  # validate the arguments now
 
     pures: dict[Any, Callable[..., Any]] = {}
+    name = getattr(fn, "__name__", type(fn).__name__)
 
     @ft.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -456,14 +472,16 @@ def autocast(
                 return fn(*args, **kwargs)
             with jax.named_scope(regions.context_marker(config)):
                 return fn(*args, **kwargs)
-        stateful = nnx_state.split_args(args, kwargs)
-        if stateful is None:
+        # Flax NNX objects (among the arguments, or `fn` itself) are updated
+        # in place: run on their state and write the state back (nnx_state).
+        prepared = nnx_state.prepare(fn, args, kwargs)
+        if prepared is None:
             return _run(fn, config, args, kwargs)
-        # Flax NNX objects are updated in place: run `fn` on their state and
-        # write the state back (see nnx_state).
+        target, stateful = prepared
         pure = pures.get(stateful.key)
         if pure is None:
-            pure = pures[stateful.key] = nnx_state.make_pure(fn, stateful.key)
+            pure = nnx_state.make_pure(target, stateful.key, name)
+            pures[stateful.key] = pure
         out, new_state = _run(
             pure, config, (stateful.state, stateful.others), {}, state_out=True
         )

@@ -51,6 +51,19 @@ class StatefulCall:
         _nnx().update(self.nodes, new_state)
 
 
+def is_node(x: Any) -> bool:
+    """Whether ``x`` is an NNX object (``False`` when ``flax.nnx`` was never
+    imported)."""
+    nnx = _nnx()
+    return nnx is not None and nnx.graph.is_graph_node(x)
+
+
+def call_node(node: Any, *args: Any, **kwargs: Any) -> Any:
+    """``node(*args, **kwargs)``: an NNX module given to autocast as the
+    function is split and written back like an argument."""
+    return node(*args, **kwargs)
+
+
 def split_args(args: tuple, kwargs: dict) -> StatefulCall | None:
     """The NNX objects among ``args``/``kwargs`` and their state, or None when
     there are none (or ``flax.nnx`` was never imported)."""
@@ -68,11 +81,25 @@ def split_args(args: tuple, kwargs: dict) -> StatefulCall | None:
     return StatefulCall(nodes, state, others, (graphdef, treedef, where))
 
 
-def make_pure(fn: Callable[..., Any], key: tuple[Any, ...]) -> Callable[..., Any]:
+def prepare(
+    fn: Callable[..., Any], args: tuple, kwargs: dict
+) -> tuple[Callable[..., Any], StatefulCall] | None:
+    """The function to make pure and the split call, when NNX objects are among
+    the arguments or are ``fn`` itself; None otherwise."""
+    if is_node(fn):
+        stateful = split_args((fn, *args), kwargs)
+        return None if stateful is None else (call_node, stateful)
+    stateful = split_args(args, kwargs)
+    return None if stateful is None else (fn, stateful)
+
+
+def make_pure(
+    fn: Callable[..., Any], key: tuple[Any, ...], name: str
+) -> Callable[..., Any]:
     """``pure(state, others) -> (out, new_state)``: ``fn`` on NNX objects merged
-    from ``state``, returning the state they end with."""
+    from ``state``, returning the state they end with (``name`` names ``fn`` in
+    errors)."""
     graphdef, treedef, where = key
-    name = getattr(fn, "__name__", type(fn).__name__)
 
     def pure(state: Any, others: list[Any]) -> tuple[Any, Any]:
         nnx = _nnx()

@@ -47,7 +47,7 @@ import numpy as np
 
 from mixprec._src import float8 as f8
 from mixprec._src._compat import is_tracer
-from mixprec._src.autocast import interpreter as itp
+from mixprec._src.autocast import interpreter as itp, nnx_state
 from mixprec._src.autocast.config import make_config
 from mixprec._src.autocast.interpreter import Dual, Walk
 from mixprec._src.autocast.mixlist import load_spec
@@ -743,6 +743,14 @@ def _widen_16bit(args: tuple[Any, ...]) -> tuple[Any, ...]:
 def _evaluate(
     fn: Callable[..., Any], args: tuple[Any, ...], config: Any, max_loop_steps: int
 ) -> tuple[_Comparer, list[Any], list[Any]]:
+    prepared = nnx_state.prepare(fn, args, {})
+    if prepared is not None:
+        # NNX objects: the pure function over their state, as autocast runs it
+        # (nothing is written back into them).
+        target, stateful = prepared
+        name = getattr(fn, "__name__", type(fn).__name__)
+        fn = nnx_state.make_pure(target, stateful.key, name)
+        args = (stateful.state, stateful.others)
     closed = jax.make_jaxpr(fn)(*args)
     flat = jax.tree.leaves(args)
     comparer = _Comparer(max_loop_steps=max_loop_steps)
