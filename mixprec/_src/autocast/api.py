@@ -291,14 +291,10 @@ def trace_transformed(
     transformed closed jaxpr and the traced one it was built from (whose
     equations the observer saw).
     """
-    prepared = nnx_state.prepare(fn, args, kwargs)
-    if prepared is not None:
-        # NNX objects: what autocast runs is the pure function over their
-        # state (nothing is written back here).
-        target, stateful = prepared
-        name = getattr(fn, "__name__", type(fn).__name__)
-        fn = nnx_state.make_pure(target, stateful.key, name)
-        args, kwargs = (stateful.state, stateful.others), {}
+    pure = nnx_state.as_pure(fn, args, kwargs)
+    if pure is not None:
+        # NNX objects: autocast runs the pure function over their state.
+        (fn, args), kwargs = pure, {}
     leaves, treedef = jax.tree.flatten((args, kwargs))
     dyn_idx = [
         i
@@ -313,7 +309,7 @@ def trace_transformed(
         dyn_idx,
         _current_region(),
         observer=observer,
-        state_out=prepared is not None,
+        state_out=pure is not None,
     )
     return entry.transformed, entry.source
 

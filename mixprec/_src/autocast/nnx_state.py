@@ -127,3 +127,18 @@ def make_pure(
 
     pure.__name__ = name
     return pure
+
+
+def as_pure(
+    fn: Callable[..., Any], args: tuple, kwargs: dict
+) -> tuple[Any, ...] | None:
+    """``(pure, pure_args)`` that compute what ``fn(*args, **kwargs)`` does to
+    the NNX objects among them (or ``fn`` itself) without writing anything back
+    (``mixprec.explain``, ``mixprec.diagnose``); None without NNX objects."""
+    prepared = prepare(fn, args, kwargs)
+    if prepared is None:
+        return None
+    target, stateful = prepared
+    name = getattr(fn, "__name__", type(fn).__name__)
+    pure = make_pure(target, stateful.key, name)
+    return pure, (stateful.state, stateful.others)

@@ -743,14 +743,9 @@ def _widen_16bit(args: tuple[Any, ...]) -> tuple[Any, ...]:
 def _evaluate(
     fn: Callable[..., Any], args: tuple[Any, ...], config: Any, max_loop_steps: int
 ) -> tuple[_Comparer, list[Any], list[Any]]:
-    prepared = nnx_state.prepare(fn, args, {})
-    if prepared is not None:
-        # NNX objects: the pure function over their state, as autocast runs it
-        # (nothing is written back into them).
-        target, stateful = prepared
-        name = getattr(fn, "__name__", type(fn).__name__)
-        fn = nnx_state.make_pure(target, stateful.key, name)
-        args = (stateful.state, stateful.others)
+    pure = nnx_state.as_pure(fn, args, {})
+    if pure is not None:  # NNX objects: as autocast runs them, nothing written back
+        fn, args = pure
     closed = jax.make_jaxpr(fn)(*args)
     flat = jax.tree.leaves(args)
     comparer = _Comparer(max_loop_steps=max_loop_steps)
