@@ -189,11 +189,6 @@ def _import_baseline(ref: str) -> Any:
     return importlib.import_module("mixprec_baseline")
 
 
-_DOT_RE = re.compile(
-    r"\s*(?:ROOT )?%[\w.\-]+ = (\w+)\[[^=]*\bdot\(%([\w.\-]+), %([\w.\-]+)\)"
-)
-
-
 def _candidate_dots(how: str) -> Any:
     """A context that swaps autocast's bfloat16 CPU dot for a candidate
     formulation while a step is traced (see the docstring)."""
@@ -259,23 +254,12 @@ def _candidate_dots(how: str) -> Any:
 
 def dot_types(hlo_text: str) -> dict[str, int]:
     """``"lhs x rhs -> out"`` element types of the dots in compiled HLO text."""
+    from mixprec._src.cli import timing
+
     counts: dict[str, int] = {}
-    for block in re.split(r"\n(?=\S)", hlo_text):
-        types: dict[str, str] = {}
-        header = block.split("\n", 1)[0]
-        for m in re.finditer(r"([\w.\-]+): (\w+)\[", header):
-            types[m.group(1)] = m.group(2)
-        for line in block.splitlines():
-            m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = (\w+)\[", line)
-            if m:
-                types[m.group(1)] = m.group(2)
-        for line in block.splitlines():
-            m = _DOT_RE.match(line)
-            if m:
-                key = (
-                    f"{types.get(m.group(2))} x {types.get(m.group(3))} -> {m.group(1)}"
-                )
-                counts[key] = counts.get(key, 0) + 1
+    for lhs, rhs, out in timing.hlo_dot_types(hlo_text):
+        key = f"{lhs} x {rhs} -> {out}"
+        counts[key] = counts.get(key, 0) + 1
     return dict(sorted(counts.items()))
 
 

@@ -2,7 +2,6 @@
 
 import json
 import os
-import re
 import subprocess
 import sys
 
@@ -13,6 +12,7 @@ import pytest
 from jax import lax
 
 from mixprec._src.autocast import dots
+from mixprec._src.cli import timing
 from tests.helpers import assert_tree_dtypes, assert_trees_close
 
 
@@ -59,27 +59,7 @@ def _dot(lhs, rhs, dn, *, low=BF16, out=F32, **kw):
     )
 
 
-def dot_dtypes(hlo_text):
-    """(lhs, rhs, out) element types of every dot in compiled HLO text."""
-    res = []
-    for block in re.split(r"\n(?=\S)", hlo_text):
-        types = {}
-        header = block.split("\n", 1)[0]
-        for m in re.finditer(r"([\w.\-]+): (\w+)\[", header):
-            types[m.group(1)] = m.group(2)
-        for line in block.splitlines():
-            m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = (\w+)\[", line)
-            if m:
-                types[m.group(1)] = m.group(2)
-        for line in block.splitlines():
-            m = re.match(
-                r"\s*(?:ROOT )?%[\w.\-]+ = (\w+)\[[^=]*\bdot\("
-                r"%([\w.\-]+), %([\w.\-]+)\)",
-                line,
-            )
-            if m:
-                res.append((types.get(m.group(2)), types.get(m.group(3)), m.group(1)))
-    return res
+dot_dtypes = timing.hlo_dot_types  # (lhs, rhs, out) of every dot XLA runs
 
 
 # --- forward values and dtypes ------------------------------------------------

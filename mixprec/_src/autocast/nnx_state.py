@@ -77,7 +77,8 @@ def split_args(args: tuple, kwargs: dict) -> StatefulCall | None:
         return None
     nodes = [leaves[i] for i in where]
     graphdef, state = nnx.split(nodes)
-    others = [leaf for i, leaf in enumerate(leaves) if i not in set(where)]
+    positions = set(where)
+    others = [leaf for i, leaf in enumerate(leaves) if i not in positions]
     return StatefulCall(nodes, state, others, (graphdef, treedef, where))
 
 

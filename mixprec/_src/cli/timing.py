@@ -21,6 +21,7 @@ import importlib.metadata
 import math
 import os
 import platform
+import re
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -206,6 +207,40 @@ def device_peak_bytes() -> int | None:
         return None
     peak = (stats or {}).get("peak_bytes_in_use")
     return None if peak is None else int(peak)
+
+
+_HLO_VALUE = re.compile(r"\s*(?:ROOT )?%([\w.\-]+) = (\w+)\[")
+_HLO_PARAM = re.compile(r"([\w.\-]+): (\w+)\[")
+_HLO_DOT = re.compile(
+    r"\s*(?:ROOT )?%[\w.\-]+ = (\w+)\[[^=]*\bdot\(%([\w.\-]+), %([\w.\-]+)\)"
+)
+
+
+def hlo_dot_types(hlo_text: str) -> list[tuple[str | None, str | None, str]]:
+    """``(lhs, rhs, out)`` element types of every dot in compiled HLO text
+    (``compiled.as_text()``): what XLA really runs, after its own rewrites.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> f = lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32)
+      >>> a = jnp.ones((4, 4), jnp.float32)
+      >>> hlo_dot_types(jax.jit(f).lower(a, a).compile().as_text())
+      [('f32', 'f32', 'f32')]
+    """
+    found = []
+    for block in re.split(r"\n(?=\S)", hlo_text):  # one computation each
+        header, _, _ = block.partition("\n")
+        types: dict[str, str] = {
+            m.group(1): m.group(2) for m in _HLO_PARAM.finditer(header)
+        }
+        lines = block.splitlines()
+        for line in lines:
+            if m := _HLO_VALUE.match(line):
+                types[m.group(1)] = m.group(2)
+        for line in lines:
+            if m := _HLO_DOT.match(line):
+                found.append((types.get(m.group(2)), types.get(m.group(3)), m.group(1)))
+    return found
 
 
 # ----------------------------------------------------------------------------- machine
