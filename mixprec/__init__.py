@@ -18,6 +18,7 @@ Names by concern: policies and casting (``Policy``, ``get_policy``,
 from importlib import metadata as _metadata
 
 from ._src import _config  # noqa: F401  (reads MIXPREC_POLICY once)
+from ._src._compat import warn_if_untested_jax as _warn_if_untested_jax
 from ._src.autocast.api import autocast as autocast
 from ._src.autocast.mixlist import modify_mixlist as modify_mixlist
 from ._src.autocast.ops import (
@@ -71,3 +72,5 @@ try:
     __version__ = _metadata.version("mixprec")
 except _metadata.PackageNotFoundError:  # running from a source tree
     __version__ = "0.0.0+unknown"
+
+_warn_if_untested_jax()  # once, on a JAX newer than any tested release

@@ -151,16 +151,16 @@ def _assert_bitwise(got, want):
 # ------------------------------------------------------------------ loss and grads
 
 # Compilation is most of this module's time. The tests' jits compile with
-# LLVM's optimizer off (2x faster), and the loss tests' also with XLA:CPU's
-# fusion emitters off (2x again). The jaxprs, and so everything autocast
-# decides, are the same. Train steps keep XLA's default fusion, which their
-# bitwise check is about (with the legacy emitters one momentum step differs
-# from the standalone update in the last bit). LLVM's optimizer vectorises
-# float32 reductions in an order that depends on what is fused around them: at
-# its default level, a whole AdamW step sums the clipping norm in another
-# order than the update alone (same float32 ops in both jaxprs), 10 ulps apart.
+# LLVM's optimizer off, and the loss tests' also without LLVM's expensive
+# passes; both options exist in every supported JAX. The jaxprs, and so
+# everything autocast decides, are the same. Train steps keep the rest of XLA's
+# default pipeline, which their bitwise check is about. LLVM's optimizer
+# vectorises float32 reductions in an order that depends on what is fused
+# around them: at its default level, a whole AdamW step sums the clipping norm
+# in another order than the update alone (same float32 ops in both jaxprs), 10
+# ulps apart.
 STEP_COMPILE = {"xla_backend_optimization_level": 0}
-FAST_COMPILE = {**STEP_COMPILE, "xla_cpu_use_fusion_emitters": False}
+FAST_COMPILE = {**STEP_COMPILE, "xla_llvm_disable_expensive_passes": True}
 
 
 def _jit(inst: Instance, fn):

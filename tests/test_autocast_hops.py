@@ -10,6 +10,7 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import mixprec
+from mixprec._src import _compat
 
 
 _K = jax.random.split(jax.random.key(7), 4)
@@ -66,7 +67,7 @@ def test_rnn_under_scan():
         if e.primitive.name == "scan"
     ]
     body = scans[0].params["jaxpr"]
-    n_c = scans[0].params["num_consts"]
+    n_c, _ = _compat.scan_layout(scans[0].params)
     carry_in = body.in_avals[n_c : n_c + 1]
     carry_out = body.out_avals[:1]
     assert [a.dtype for a in carry_in] == [a.dtype for a in carry_out] == [F32]

@@ -1,6 +1,7 @@
 """The op table and the dtype rule: coverage, composites, and ``decide`` as
 properties (the rule stated in ``mixprec._src.autocast.decide``)."""
 
+import functools as ft
 import importlib.util
 import itertools
 import pathlib
@@ -16,6 +17,7 @@ from hypothesis import given, settings
 from jax import lax
 
 import mixprec
+from mixprec._src import _compat
 from mixprec._src.autocast import ops
 from mixprec._src.autocast.decide import Precision, decide, has_float32_range
 from mixprec._src.autocast.modes import MODES, effective_low_dtype, validate_mode
@@ -41,21 +43,95 @@ def _gen_op_table():
 # ----------------------------------------------------------------- coverage
 
 
-def _module_primitive_names() -> set[str]:
-    return {getattr(prims, a).name for a in dir(prims) if a.endswith("_p")}
+# The parts of JAX whose primitives a traced function can contain: the ones a
+# user calls, and what they import (AD, sharding, callbacks, control flow).
+_JAX_MODULES = (
+    "jax.lax",
+    "jax.numpy",
+    "jax.numpy.fft",
+    "jax.nn",
+    "jax.random",
+    "jax.scipy.special",
+    "jax.scipy.linalg",
+    "jax.scipy.signal",
+    "jax.ad_checkpoint",
+    "jax.experimental.shard_map",
+    "jax.experimental.custom_partitioning",
+    "jax.experimental.compute_on",
+    "jax.experimental.multihost_utils",
+    "jax.experimental.checkify",
+    "jax.experimental.sparse",
+    "jax.experimental.layout",
+    "jax.experimental.buffer_callback",
+    "jax.experimental.pallas",
+)
 
 
-def test_module_has_primitives():
-    # Guards the coverage test below against iterating an empty module.
-    assert len(_module_primitive_names()) > 150
+@ft.cache
+def _registered() -> dict[str, str]:
+    return _compat.registered_primitives(_JAX_MODULES)
 
 
-@pytest.mark.parametrize("name", sorted(_module_primitive_names()))
+def _is_kernel_language(module: str) -> bool:
+    return module.startswith(ops.KERNEL_LANGUAGE_MODULES)
+
+
+def _user_level_primitives() -> list[str]:
+    return sorted(
+        name
+        for name, module in _registered().items()
+        if not _is_kernel_language(module) or ops.spec_for(name) is not None
+    )
+
+
+def test_installed_jax_registers_primitives():
+    # Guards the coverage test below against iterating an empty set, and
+    # checks that the enumeration sees the modules that matter.
+    names = set(_user_level_primitives())
+    assert len(names) > 250
+    assert {"dot_general", "scan", "pjit" if "pjit" in names else "jit"} <= names
+    assert {getattr(prims, a).name for a in dir(prims) if a.endswith("_p")} <= set(
+        _registered()
+    )
+
+
+@pytest.mark.parametrize("name", _user_level_primitives())
 def test_every_primitive_has_one_table_entry_with_a_reason(name):
     spec = ops.spec_for(name)
-    assert spec is not None, f"{name} is not in the op table"
+    assert spec is not None, (
+        f"{name} (defined in {_registered()[name]}) is not in the op table"
+    )
     assert spec.reason.strip()
     assert spec.flags <= ops.FLAGS
+
+
+def test_kernel_language_primitives_only_appear_inside_opaque_kernels():
+    # Pallas/Mosaic kernel-body primitives have no entries of their own: the
+    # calls that hold them are opaque, so autocast never walks a kernel body.
+    kernel = [n for n, m in _registered().items() if _is_kernel_language(m)]
+    assert kernel, "the enumeration should see Pallas's primitives"
+    for call in ("pallas_call", "core_map"):
+        spec = ops.spec_for(call)
+        assert spec is not None and ops.OPAQUE in spec.flags, call
+
+
+def test_unknown_primitive_runs_as_written_or_raises_under_strict():
+    # The default for a primitive the table does not know.
+    from jax.extend.core import Primitive
+
+    twice_p = Primitive("mixprec_test_twice")
+    twice_p.def_impl(lambda x: 2 * x)
+    twice_p.def_abstract_eval(lambda x: x)
+
+    def f(x, w):
+        return twice_p.bind(x @ w)
+
+    x, w = jnp.ones((4, 8)), jnp.ones((8, 8))
+    jaxpr = jax.make_jaxpr(mixprec.autocast(f, "mixed_bfloat16"))(x, w)
+    ran = [e for e in jaxpr.eqns if e.primitive is twice_p]
+    assert [str(e.invars[0].aval.dtype) for e in ran] == ["float32"]
+    with pytest.raises(NotImplementedError, match="mixprec_test_twice"):
+        mixprec.autocast(f, "mixed_bfloat16", strict=True)(x, w)
 
 
 def test_table_entries_are_consistent():

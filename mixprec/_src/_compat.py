@@ -32,6 +32,63 @@ __all__ = [
     "trace_to_closed_jaxpr",
 ]
 
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+    """``(major, minor, patch)`` from a version string (``"0.10.2rc1"``: the
+    leading digits of each part)."""
+    import re
+
+    parts = []
+    for piece in text.split(".")[:3]:
+        digits = re.match(r"\d*", piece)
+        parts.append(int(digits.group()) if digits and digits.group() else 0)
+    return tuple(parts)
+
+
+#: The installed JAX release as ``(major, minor, patch)``.
+JAX_VERSION: tuple[int, ...] = _version_tuple(jax.__version__)
+
+#: The oldest JAX release mixprec supports (``pyproject.toml`` asks for it).
+OLDEST_SUPPORTED_JAX: tuple[int, ...] = (0, 10, 2)
+#: The newest JAX release line the whole test suite has been run on.
+NEWEST_TESTED_JAX: tuple[int, ...] = (0, 11)
+
+
+class UntestedJaxWarning(UserWarning):
+    """The installed JAX is newer than any release mixprec was tested on."""
+
+
+_warned_untested: list[bool] = []
+
+
+def warn_if_untested_jax(version: tuple[int, ...] | None = None) -> bool:
+    """Warns once per process when JAX is newer than the newest tested release.
+
+    A newer JAX may rename the internals this module reaches into. Returns
+    whether the installed (or given) version is untested.
+
+    Examples:
+        >>> warn_if_untested_jax((0, 10, 2))
+        False
+    """
+    v = JAX_VERSION if version is None else version
+    untested = tuple(v[:2]) > NEWEST_TESTED_JAX
+    if untested and not _warned_untested:
+        import warnings
+
+        _warned_untested.append(True)
+        newest = ".".join(map(str, NEWEST_TESTED_JAX))
+        warnings.warn(
+            f"mixprec was tested on JAX {'.'.join(map(str, OLDEST_SUPPORTED_JAX))} "
+            f"through {newest}.x; JAX {jax.__version__} is newer. If autocast "
+            "fails inside a JAX internal, install `jax<"
+            f"{NEWEST_TESTED_JAX[0]}.{NEWEST_TESTED_JAX[1] + 1}` and report it.",
+            UntestedJaxWarning,
+            stacklevel=3,
+        )
+    return untested
+
+
 # -- primitives that jax.extend.core.primitives does not export -------------------
 try:  # JAX >= 0.6: shard_map lives in jax._src.shard_map
     _shard_map_mod = importlib.import_module("jax._src.shard_map")
@@ -189,8 +246,18 @@ def custom_vjp_fwd_jaxpr(
 
 
 def call_custom_vjp_bwd(bwd: Any, *args: Any) -> list[Any]:
-    """Calls the flattened user ``bwd`` of a ``custom_vjp_call`` eqn."""
-    return list(bwd.call_wrapped(*args))
+    """Calls the flattened user ``bwd`` of a ``custom_vjp_call`` eqn and returns
+    the input cotangents.
+
+    JAX 0.11 returns ``(cotangents, logs)`` from it (``logs``: values a
+    ``jax.experimental`` log reference collected in the backward pass, empty
+    for ordinary code); JAX 0.10 returns the cotangents.
+    """
+    out = bwd.call_wrapped(*args)
+    if JAX_VERSION >= (0, 11):
+        cts, _ = out
+        return list(cts)
+    return list(out)
 
 
 def eqn_source_summary(source_info: Any) -> str:
@@ -203,6 +270,69 @@ def eqn_source_summary(source_info: Any) -> str:
     if frame is None:
         return ""
     return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
+
+
+# -- equation parameters that JAX versions spell differently -------------------------
+
+
+def scan_layout(params: dict[str, Any]) -> tuple[int, int]:
+    """``(num_consts, num_carry)`` of a ``scan`` equation's operands.
+
+    JAX <= 0.10 has them as ``num_consts``/``num_carry`` params; JAX 0.11 holds
+    the operand layout in a ``FlatTree`` (``ft_in``: consts, carry, xs).
+    """
+    if "num_consts" in params:
+        return int(params["num_consts"]), int(params["num_carry"])
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)
+
+
+def scan_params(params: dict[str, Any], *, extra_consts: int) -> dict[str, Any]:
+    """The params of a ``scan`` equation rebound with ``extra_consts`` more
+    leading constants (and nothing else changed but the body jaxpr).
+
+    ``params`` are the original equation's params without ``jaxpr``.
+    """
+    out = dict(params)
+    if "num_consts" in out:
+        out["num_consts"] = int(out["num_consts"]) + extra_consts
+        if "linear" in out:
+            out["linear"] = (False,) * extra_consts + tuple(out["linear"])
+        return out
+    if extra_consts:
+        ft = importlib.import_module("jax._src.flattree")
+        consts, carry, xs = out["ft_in"].unpack()
+        out["ft_in"] = ft.pack((ft.nones(len(consts) + extra_consts), carry, xs))
+    return out
+
+
+def registered_primitives(
+    modules: Sequence[str] = (),
+) -> dict[str, str]:
+    """Every primitive defined by the loaded JAX modules: ``{name: module}``.
+
+    Imports ``modules`` first (those that fail to import are skipped), then
+    collects the module-level ``Primitive`` objects of every loaded ``jax``
+    module, so the answer is what this JAX installation registers, not a
+    list written for one release.
+    """
+    import sys
+
+    from jax.extend.core import Primitive
+
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001  (optional parts of JAX: GPU/TPU-only)
+            continue
+    found: dict[str, str] = {}
+    for mod_name, module in list(sys.modules.items()):
+        if module is None or not (mod_name == "jax" or mod_name.startswith("jax.")):
+            continue
+        for value in list(vars(module).values()):
+            if isinstance(value, Primitive):
+                found.setdefault(value.name, mod_name)
+    return found
 
 
 def shaped_array(shape: Sequence[int], dtype: Any, *, weak_type: bool = False) -> Any:

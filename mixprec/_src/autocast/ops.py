@@ -334,7 +334,7 @@ def_deny(
     f"deny (Exp, Expm1), {_APEX} FP32_FUNCS (exp, expm1)",
 )
 def_deny(
-    ["log", "log1p"],
+    ["log", "log1p", "log2"],
     f"logarithm of small values / near 1 loses precision: {_PT} fp32 (log, "
     f"log1p, log2, log10), {_APEX} FP32_FUNCS (log, log2, log10); {_TF} has "
     "Log/Log1p in infer, two of three say float32",
@@ -346,10 +346,11 @@ def_deny(
     flags=[BROADCASTS],
 )
 def_deny(
-    ["integer_pow", "square"],
-    "small integer powers (x**2, x**3 in GELU) overflow float16 above 256 / 40 "
-    f"({_PT} fp32: pow); their relative error is only n times the input's, so "
-    "under bfloat16, which has float32's range, they run like mul",
+    ["integer_pow", "square", "one_minus_square"],
+    "small integer powers (x**2, x**3 in GELU; 1 - x**2, tanh's derivative) "
+    f"overflow float16 above 256 / 40 ({_PT} fp32: pow); their relative error "
+    "is only n times the input's, so under bfloat16, which has float32's range, "
+    "they run like mul",
     flags=[NARROW_RANGE],
 )
 def_deny(
@@ -682,6 +683,9 @@ def_clear(
         "from_edtype",
         "custom_lin",
         "mul_transpose",
+        "xla_metadata_value",
+        "relayout",
+        "program_order",
     ],
     "identity-like, sharding, token or metadata op: no arithmetic",
 )
@@ -718,6 +722,10 @@ def_clear(
         "unreduced_reduce_scatter_start",
         "reduced_vary_cast_p",
         "vary_unreduced_cast_p",
+        "unreduced_pmax",
+        "unreduced_pmin",
+        "host_local_array_to_global_array",
+        "global_array_to_host_local_array",
     ],
     "collective that moves or selects values without arithmetic (or an "
     "asynchronous/replication-type cast): communicates the dtype it receives",
@@ -761,6 +769,7 @@ def_clear(
     [
         "ffi_call",
         "pallas_call",
+        "core_map",
         "tpu_custom_call",
         "call_exported",
         "cudnn_fusion",
@@ -779,10 +788,58 @@ def_clear(
         "io_callback",
         "debug_callback",
         "debug_print",
+        "buffer_callback",
+        "mosaic_gpu_p",
     ],
     "opaque kernel or host callback, compiled/written for exact input dtypes: "
     "runs at the dtypes it was traced with (inputs are cast back)",
     flags=[OPAQUE],
+)
+
+def_clear(
+    [
+        "bcoo_dot_general",
+        "bcoo_dot_general_sampled",
+        "bcoo_extract",
+        "bcoo_fromdense",
+        "bcoo_sort_indices",
+        "bcoo_spdot_general",
+        "bcoo_sum_duplicates",
+        "bcoo_todense",
+        "bcoo_transpose",
+        "bcsr_dot_general",
+        "bcsr_extract",
+        "bcsr_fromdense",
+        "bcsr_todense",
+        "coo_fromdense",
+        "coo_matmat",
+        "coo_matvec",
+        "coo_spmm",
+        "coo_spmv",
+        "coo_todense",
+        "csr_fromdense",
+        "csr_matmat",
+        "csr_matvec",
+        "csr_spmm",
+        "csr_spmv",
+        "csr_todense",
+        "todense",
+        "spsolve",
+    ],
+    "jax.experimental.sparse op: sparse kernels (cuSPARSE, scatter-based CPU "
+    "code) are written for float32 data; runs at the dtypes it was traced with",
+    flags=[OPAQUE],
+)
+
+#: Modules whose primitives exist only inside a kernel (Pallas, Mosaic): they
+#: appear in the body of a ``pallas_call``/``core_map``, which autocast never
+#: enters (``pallas_call`` is opaque), so they need no entry of their own; an
+#: unknown primitive met anyway runs as written (``strict=True``: raises).
+KERNEL_LANGUAGE_MODULES: Final[tuple[str, ...]] = (
+    "jax._src.pallas",
+    "jax.experimental.pallas",
+    "jax._src.tpu_custom_call",
+    "jax.experimental.mosaic",
 )
 
 # ----------------------------------------------------------- higher-order
@@ -811,7 +868,6 @@ def_higher_order(
         "custom_partitioning",
         "composite",
         "eval_jaxpr",
-        "core_map",
         "jaxpr_call",
         "mpmd_map",
         "run_state",
@@ -820,6 +876,8 @@ def_higher_order(
         "select_and_scatter",
         "call_hi_primitive",
         "call_hi_primitive_linearized",
+        "compute_on",
+        "xla_metadata_call",
     ],
     "higher-order primitive: the interpreter decides its body equation by equation",
 )

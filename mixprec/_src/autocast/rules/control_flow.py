@@ -110,18 +110,10 @@ def _plain_ctx(ctx: CastContext) -> CastContext:
 # ------------------------------------------------------------------ scan
 
 
-def _scan_rule(
-    ctx: CastContext,
-    *invals: Any,
-    jaxpr: ClosedJaxpr,
-    num_consts: int,
-    num_carry: int,
-    length: int,
-    reverse: bool,
-    **params: Any,
-):
+def _scan_rule(ctx: CastContext, *invals: Any, jaxpr: ClosedJaxpr, **params: Any):
     walk = ctx.walk
-    nc, ncar = num_consts, num_carry
+    nc, ncar = _compat.scan_layout(params)
+    length = params["length"]
     consts, init, xs = _split(invals, nc, ncar)
     dts = carry_dtypes(init, jaxpr.in_avals[nc : nc + ncar])
     init = cast_all(init, dts)
@@ -133,7 +125,9 @@ def _scan_rule(
     ]
     sub = walk.body("scan/body", trip=length)
     if walk.dual:
-        return _scan_stepped(sub, jaxpr, consts, init, xs, marks, dts, length, reverse)
+        return _scan_stepped(
+            sub, jaxpr, consts, init, xs, marks, dts, length, params["reverse"]
+        )
     init = [_strong(x) for x in init]
 
     def body(*args: Any) -> list[Any]:
@@ -147,20 +141,13 @@ def _scan_rule(
         *(mapped_aval(length, 0, aval_of(x)) for x in xs),
     ]
     new, hoisted = _trace(body, avals, "scan_body")
-    extra = dict(params)
-    if "linear" in extra:
-        extra["linear"] = (False,) * len(hoisted) + tuple(extra["linear"])
     return P.scan_p.bind(
         *hoisted,
         *consts,
         *init,
         *xs,
         jaxpr=new,
-        num_consts=len(hoisted) + nc,
-        num_carry=ncar,
-        length=length,
-        reverse=reverse,
-        **extra,
+        **_compat.scan_params(params, extra_consts=len(hoisted)),
     )
 
 
