@@ -13,7 +13,7 @@ from jax.extend.core import Primitive
 import mixprec
 from mixprec._src.autocast import api, interpreter, ops
 from mixprec._src.autocast.config import make_config
-from mixprec._src.autocast.decide import Decision, Precision
+from mixprec._src.autocast.decide import Decision, Precision, decide_eqn
 from mixprec._src.autocast.interpreter import CastContext, Walk, eval_jaxpr
 from mixprec._src.numerics.record import OpRecord
 
@@ -661,9 +661,9 @@ def test_explain_records_and_the_interpreter_api():
     # The interpreter on its own: one equation decided and run.
     jaxpr = jax.make_jaxpr(lambda x, y: jnp.exp(x @ y))(X, X.T)
     walk = Walk(make_config("mixed_bfloat16"))
-    d = walk.decide(jaxpr.eqns[0], ops.spec_for("dot_general"), [X, X.T], [0, 0])
+    d = decide_eqn(walk, jaxpr.eqns[0], ops.spec_for("dot_general"), [X, X.T], [0, 0])
     assert (d.precision, d.dtype, d.op_class) == (Precision.LOW, BF16, "allow")
-    d = walk.decide(jaxpr.eqns[1], ops.spec_for("exp"), [X], [0])
+    d = decide_eqn(walk, jaxpr.eqns[1], ops.spec_for("exp"), [X], [0])
     assert (d.precision, d.dtype, d.op_class) == (Precision.FLOAT32, F32, "deny")
     (z,), _ = eval_jaxpr(walk, jaxpr, (), [X, X.T])
     assert z.dtype == F32

@@ -131,31 +131,48 @@ def _cast_output(x: Any, dtype: np.dtype) -> Any:
     return interpreter.cast(x, dtype)
 
 
-def _region_walk(walk: Walk, region_stack: str) -> Walk:
-    """The walk for a call made inside a region (``float32_scope`` and co)."""
-    found = regions.parse_name_stack(region_stack) if region_stack else None
-    if found is None:
-        return walk
-    kind, value = found
-    if kind == "float32":
-        return walk._copy(float32=True)
-    if kind == "policy":
-        return walk._copy(config=walk.config.with_policy(value))
-    return walk._copy(config=value)
+@dataclasses.dataclass
+class Source:
+    """A function traced at the abstract values of its array arguments: what
+    autocast, ``explain`` and ``diagnose`` all walk.
+
+    Attributes:
+        closed: the jaxpr as traced.
+        jaxpr: the same jaxpr with its constants as leading inputs.
+        consts: the values of those constants.
+        in_avals: the abstract values of the dynamic (array) arguments.
+        out_tree: the output's tree structure.
+        out_static: output leaves that are not arrays, by leaf index.
+        n_out: the number of output leaves.
+        is_state: per dynamic output, whether it is state written back into
+            the caller's objects (it keeps the dtype ``fn`` gives it).
+    """
+
+    closed: Any
+    jaxpr: Any
+    consts: list[Any]
+    in_avals: list[Any]
+    out_tree: Any
+    out_static: dict[int, Any]
+    n_out: int
+    is_state: list[bool]
+
+    def in_marks(self) -> list[int]:
+        """The marks of the walk's inputs: the constants, then the arguments."""
+        return [interpreter.CONST] * len(self.consts) + [0] * len(self.in_avals)
 
 
-def _build(
+def trace_source(
     fn: Callable[..., Any],
     config: CastConfig,
     leaves: list[Any],
     treedef: Any,
     dyn_idx: list[int],
-    region_stack: str,
-    observer: Observer | None = None,
     state_out: bool = False,
-) -> _Entry:
-    """Traces ``fn``, walks its jaxpr and traces the result. With ``state_out``,
-    ``fn`` returns ``(result, state)`` and the state keeps its traced dtypes."""
+) -> Source:
+    """Traces ``fn`` on the leaves ``dyn_idx`` of ``(args, kwargs)`` (the
+    others are static). With ``state_out``, ``fn`` returns ``(result,
+    state)``."""
     out_info: dict[str, Any] = {}
 
     def flat_fn(*dyn: Any) -> list[Any]:
@@ -185,10 +202,41 @@ def _build(
     in_avals = [_aval(leaves[i]) for i in dyn_idx]
     name = getattr(fn, "__name__", type(fn).__name__)
     closed = _compat.trace_to_closed_jaxpr(flat_fn, in_avals, name=name)
-    jaxpr = _compat.convert_constvars_jaxpr(closed.jaxpr)
-    consts = list(closed.consts)
-    walk = _region_walk(Walk(config, observer=observer), region_stack)
-    marks = [interpreter.CONST] * len(consts) + [0] * len(in_avals)
+    return Source(
+        closed=closed,
+        jaxpr=_compat.convert_constvars_jaxpr(closed.jaxpr),
+        consts=list(closed.consts),
+        in_avals=in_avals,
+        out_tree=out_info["tree"],
+        out_static=out_info["static"],
+        n_out=out_info["n"],
+        is_state=out_info["is_state"],
+    )
+
+
+def region_walk(config: CastConfig, observer: Observer | None = None) -> Walk:
+    """The walk for a call made here: inside the regions (``float32_scope``
+    and co) around the call."""
+    stack = _current_region()
+    found = regions.parse_name_stack(stack) if stack else None
+    return Walk(config, observer=observer).in_region(found)
+
+
+def _build(
+    fn: Callable[..., Any],
+    config: CastConfig,
+    leaves: list[Any],
+    treedef: Any,
+    dyn_idx: list[int],
+    observer: Observer | None = None,
+    state_out: bool = False,
+) -> _Entry:
+    """Traces ``fn``, walks its jaxpr and traces the result. With ``state_out``,
+    ``fn`` returns ``(result, state)`` and the state keeps its traced dtypes."""
+    source = trace_source(fn, config, leaves, treedef, dyn_idx, state_out)
+    jaxpr, consts = source.jaxpr, source.consts
+    walk = region_walk(config, observer)
+    marks = source.in_marks()
     out_dtype = config.policy.output_dtype
 
     # State written back into the caller's objects keeps the dtype the function
@@ -196,7 +244,7 @@ def _build(
     # (None: not a float, e.g. an RNG key of an `nnx.Rngs`; left as it is.)
     out_dtypes = [
         (_float_or_none(getattr(v.aval, "dtype", None)) if is_state else out_dtype)
-        for v, is_state in zip(jaxpr.outvars, out_info["is_state"], strict=True)
+        for v, is_state in zip(jaxpr.outvars, source.is_state, strict=True)
     ]
 
     def interp(*vals: Any) -> list[Any]:
@@ -206,9 +254,10 @@ def _build(
             for o, d in zip(outs, out_dtypes, strict=True)
         ]
 
+    name = getattr(fn, "__name__", type(fn).__name__)
     const_avals = [_compat.get_aval(c) for c in consts]
     transformed = _compat.trace_to_closed_jaxpr(
-        interp, const_avals + in_avals, name=name
+        interp, const_avals + source.in_avals, name=name
     )
     run = jaxpr_as_fun(transformed)
 
@@ -221,11 +270,11 @@ def _build(
         call=call,
         run=run,
         consts=consts,
-        out_tree=out_info["tree"],
-        out_static=out_info["static"],
-        n_out=out_info["n"],
+        out_tree=source.out_tree,
+        out_static=source.out_static,
+        n_out=source.n_out,
         transformed=transformed,
-        source=closed,
+        source=source.closed,
     )
 
 
@@ -248,6 +297,7 @@ def _run(
     dyn = [leaves[i] for i in dyn_idx]
     region_stack = _current_region()
     region_key = regions.parse_name_stack(region_stack) if region_stack else None
+    del region_stack
     key = None
     entry = None
     if skey is not None:
@@ -256,9 +306,7 @@ def _run(
         entry = _cache.get(fn, key)
     if entry is None:
         _cache.misses += 1
-        entry = _build(
-            fn, config, leaves, treedef, dyn_idx, region_stack, state_out=state_out
-        )
+        entry = _build(fn, config, leaves, treedef, dyn_idx, state_out=state_out)
         if key is not None and not any(_compat.is_tracer(c) for c in entry.consts):
             _cache.put(fn, key, entry)
     if _compat.is_staging():
@@ -276,6 +324,44 @@ def _run(
     return jax.tree.unflatten(entry.out_tree, out_leaves)
 
 
+@dataclasses.dataclass
+class Call:
+    """A call of ``fn`` split as autocast traces it: ``leaves`` of ``(args,
+    kwargs)`` with ``treedef``, of which ``dyn_idx`` are traced and the others
+    static. ``state_out``: ``fn`` returns ``(result, state)`` (NNX objects)."""
+
+    fn: Callable[..., Any]
+    leaves: list[Any]
+    treedef: Any
+    dyn_idx: list[int]
+    state_out: bool
+
+    def source(self, config: CastConfig) -> Source:
+        """The call traced (see :func:`trace_source`)."""
+        return trace_source(
+            self.fn, config, self.leaves, self.treedef, self.dyn_idx, self.state_out
+        )
+
+
+def split_call(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Call:
+    """How ``explain`` and ``diagnose`` see a call, as autocast would trace it.
+
+    NNX objects among the arguments (or ``fn`` itself) become the pure function
+    over their state that autocast runs (nothing is written back); array leaves
+    and ``jax.ShapeDtypeStruct``\\ s are traced, every other leaf is static.
+    """
+    pure = nnx_state.as_pure(fn, args, kwargs)
+    if pure is not None:
+        (fn, args), kwargs = pure, {}
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    dyn_idx = [
+        i
+        for i, x in enumerate(leaves)
+        if _is_dynamic(x) or isinstance(x, jax.ShapeDtypeStruct)
+    ]
+    return Call(fn, leaves, treedef, dyn_idx, state_out=pure is not None)
+
+
 def trace_transformed(
     fn: Callable[..., Any],
     config: CastConfig,
@@ -291,25 +377,15 @@ def trace_transformed(
     transformed closed jaxpr and the traced one it was built from (whose
     equations the observer saw).
     """
-    pure = nnx_state.as_pure(fn, args, kwargs)
-    if pure is not None:
-        # NNX objects: autocast runs the pure function over their state.
-        (fn, args), kwargs = pure, {}
-    leaves, treedef = jax.tree.flatten((args, kwargs))
-    dyn_idx = [
-        i
-        for i, x in enumerate(leaves)
-        if _is_dynamic(x) or isinstance(x, jax.ShapeDtypeStruct)
-    ]
+    call = split_call(fn, args, kwargs)
     entry = _build(
-        fn,
+        call.fn,
         config,
-        leaves,
-        treedef,
-        dyn_idx,
-        _current_region(),
+        call.leaves,
+        call.treedef,
+        call.dyn_idx,
         observer=observer,
-        state_out=pure is not None,
+        state_out=call.state_out,
     )
     return entry.transformed, entry.source
 

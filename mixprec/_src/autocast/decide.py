@@ -47,6 +47,27 @@ The rule modules add what is not a choice of precision: constants cast down
 saturate to the low dtype's finite range (``finfo(float32).min`` as a mask fill
 must not become ``-inf``), and an operand broadcast into the result is cast after
 it is broadcast, so that its gradient is summed in float32.
+
+Besides :func:`decide` (one equation, from the facts), this module holds every
+other dtype choice autocast makes, so that each is made in one place:
+
+* :func:`decide_eqn`: the facts of one equation of a walk (its region, its
+  operands' marks, dtypes and shapes) turned into a :func:`decide` call;
+* :func:`decide_epilogue`: a bias add fused into the CPU matmul before it;
+* :func:`out_marks`: the marks an equation's results carry (see below);
+* :func:`carry_dtypes` and :func:`branch_dtypes`: the types of loop carries
+  and of ``cond`` results;
+* :data:`HIGHER_ORDER`: the decision of a higher-order equation (none: its
+  body is decided equation by equation).
+
+Per value the interpreter keeps four marks, computed by :func:`out_marks`:
+``FOLLOWS`` (broadcast into its consumers: a bias, a scale, a scalar),
+``STAT`` (a statistic: computed from a reduction, like a mean or a variance; it
+is never a follower, even broadcast), ``CONST`` (computed from constants only)
+and ``GRAD`` (a gradient: computed in a backward pass from the loss's
+cotangent). The first two decide which operands anchor a gray op; ``CONST``
+makes casts of constants saturate; ``GRAD`` sends a float8 matmul's gradient
+operand to ``float8_e5m2``.
 """
 
 from __future__ import annotations
@@ -55,16 +76,45 @@ import dataclasses
 import enum
 import functools as ft
 from collections.abc import Sequence
-from typing import Final
+from typing import Any, Final, Protocol
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
+from jax.extend.core import JaxprEqn, Literal
 
-from mixprec._src import float8 as f8
+from mixprec._src import _compat, float8 as f8
+from mixprec._src.autocast import ops
+from mixprec._src.autocast.avals import aval_shape, float_dtype, same_shape, size
 from mixprec._src.autocast.ops import FLOAT32_ONLY, NARROW_RANGE, OpClass
 
 
-__all__ = ["Decision", "Precision", "decide"]
+__all__ = [
+    "CONST",
+    "FOLLOWS",
+    "GRAD",
+    "HIGHER_ORDER",
+    "STAT",
+    "Decision",
+    "Precision",
+    "branch_dtypes",
+    "carry_dtypes",
+    "decide",
+    "decide_epilogue",
+    "decide_eqn",
+    "out_marks",
+]
+
+#: The value is broadcast into its consumers (bias, scale, scalar): it follows.
+FOLLOWS: Final = 1
+#: The value is computed from literals and constants only.
+CONST: Final = 2
+#: The value is a statistic: a reduction, or computed from reductions and
+#: constants only (a mean, a variance, 1/sqrt(var + eps), a max).
+STAT: Final = 4
+#: The value is a gradient: computed in a backward pass from the cotangent
+#: that starts it (a constant such as the ``1.0`` of ``jax.grad``).
+GRAD: Final = 8
 
 _F32: Final = np.dtype(np.float32)
 _F16: Final = np.dtype(np.float16)
@@ -361,3 +411,322 @@ def _float8_decision(
         float8=recipe,
         operand_dtypes=formats,
     )
+
+
+#: The decision of a higher-order equation: none of its own.
+HIGHER_ORDER: Final = Decision(
+    Precision.RECEIVED,
+    None,
+    None,
+    "higher-order primitive: its body is decided equation by equation",
+)
+
+
+# ------------------------------------------------------------------ marks
+
+
+def literal_mark() -> int:
+    """The marks of a literal: a constant that follows."""
+    return CONST | FOLLOWS
+
+
+def out_marks(
+    spec: ops.OpSpec | None,
+    eqn: JaxprEqn,
+    marks: Sequence[int],
+    n: int,
+    backward: bool = False,
+) -> list[int]:
+    """The marks of the ``n`` results of ``eqn``, given its operands' marks.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> eqn = jax.make_jaxpr(jnp.sum)(jnp.ones(3)).eqns[0]
+        >>> out_marks(ops.spec_for("reduce_sum"), eqn, [0], 1) == [STAT]
+        True
+    """
+    const = CONST if all(m & CONST for m in marks) else 0
+    grad = 0
+    if backward and (any(m & GRAD for m in marks) or (marks and const)):
+        # A backward pass starts from a constant cotangent (`jax.grad`'s 1.0);
+        # what it computes from that is a gradient, residuals are not.
+        grad = GRAD
+    flags = spec.flags if spec is not None else frozenset()
+    if ops.STATISTIC in flags or (
+        marks
+        and any(m & STAT for m in marks)
+        and all(m & (STAT | CONST) for m in marks)
+    ):
+        # A statistic, broadcast or not: never a follower.
+        return [STAT | const | grad] * n
+    follows = 0
+    if spec is not None and eqn.invars:
+        if eqn.primitive.name == "broadcast_in_dim":
+            src = aval_shape(eqn.invars[0])
+            if size(src) != size(aval_shape(eqn.outvars[0])):
+                follows = FOLLOWS
+            else:  # only size-1 dimensions added: a reshape
+                follows = marks[0] & FOLLOWS
+        elif ops.VIEW in flags:
+            follows = marks[0] & FOLLOWS
+    if not eqn.invars and spec is not None and spec.op_class == "clear":
+        const = CONST  # iota and friends
+    return [const | follows | grad] * n
+
+
+def follows(
+    var: Any,
+    mark: int,
+    out_shape: Sequence[Any],
+    broadcast_follows: bool = True,
+) -> bool:
+    """Whether an operand follows the others in a gray op (does not anchor it):
+    a weak-typed scalar always; an operand broadcast into the result (a bias, a
+    scale) unless it is a statistic or ``broadcast_follows`` is False."""
+    aval = var.aval
+    if getattr(aval, "weak_type", False):
+        return True
+    if mark & STAT or not broadcast_follows:
+        return False
+    if mark & FOLLOWS:
+        return True
+    return not same_shape(getattr(aval, "shape", ()), out_shape)
+
+
+# ------------------------------------------------------------------ one equation
+
+
+class Region(Protocol):
+    """Where an equation is: what :func:`decide_eqn` needs of the walk."""
+
+    config: Any  # CastConfig
+    float32: bool
+    composite: str
+    backward: bool
+
+
+def _is_square(eqn: JaxprEqn) -> bool:
+    a, b = eqn.invars
+    return a is b and not isinstance(a, Literal)
+
+
+def _asks_high_precision(eqn: JaxprEqn) -> bool:
+    precision = eqn.params.get("precision")
+    if precision is None:
+        return False
+    items = precision if isinstance(precision, tuple | list) else (precision,)
+    high = (lax.Precision.HIGH, lax.Precision.HIGHEST)
+    return any(p in high for p in items)
+
+
+def _raise_unclassified(cfg: Any, eqn: JaxprEqn) -> None:
+    name = eqn.primitive.name
+    try:
+        cfg.lists.classify(name, strict=True)
+    except NotImplementedError:
+        where = _compat.eqn_source_summary(eqn.source_info) or "unknown location"
+        raise NotImplementedError(
+            f"No cast rule for primitive '{name}' (at {where}) and it is in no op "
+            "list, so `autocast(..., strict=True)` cannot decide its precision. "
+            "Register a rule with `mixprec.register_rule(primitive, rule)` or add "
+            "it to a list with `mixlist={'gray-list': {'to-add': "
+            f"['{name}']}}}}`."
+        ) from None
+
+
+def _float8_args(
+    cfg: Any,
+    eqn: JaxprEqn,
+    spec: ops.OpSpec | None,
+    op_class: str,
+    marks: Sequence[int],
+    out_shape: Sequence[Any],
+) -> dict[str, Any]:
+    """The float8 arguments of :func:`decide` for ``eqn`` (none without a recipe,
+    or for an op without a float8 formulation)."""
+    from mixprec._src.autocast import float8_dots
+
+    recipe = cfg.policy.float8
+    name = eqn.primitive.name
+    if (
+        recipe is None
+        or op_class != "allow"
+        or spec is None
+        or ops.FLOAT8 not in spec.flags
+    ):
+        return {}
+    dims = float8_dots.product_dims(
+        name, [aval_shape(v) for v in eqn.invars], out_shape, eqn.params
+    )
+    sizes, align = dims if dims is not None else (None, ())
+    return {
+        "float8": recipe,
+        "float8_dims": sizes,
+        "float8_align": align,
+        "gradients": tuple(bool(m & GRAD) for m in marks),
+    }
+
+
+def decide_eqn(
+    region: Region,
+    eqn: JaxprEqn,
+    spec: ops.OpSpec | None,
+    invals: Sequence[Any],
+    marks: Sequence[int],
+) -> Decision:
+    """The precision of a first-order equation with these operands, where the
+    walk is (:class:`Region`): the facts gathered, then :func:`decide`.
+
+    Raises:
+        NotImplementedError: under ``strict``, for an op in no list and
+            without a rule.
+    """
+    name = eqn.primitive.name
+    cfg = region.config
+    if region.float32:
+        return Decision(
+            Precision.ORIGINAL,
+            None,
+            cfg.lists.classify(name),
+            "inside mixprec.float32_scope(): as written",
+        )
+    if spec is None and name not in cfg.lists.names():
+        if cfg.strict:
+            _raise_unclassified(cfg, eqn)
+        return Decision(
+            Precision.ORIGINAL,
+            None,
+            "infer",
+            "in no op list and no rule: runs as written",
+        )
+    if spec is not None and ops.OPAQUE in spec.flags:
+        return Decision(Precision.ORIGINAL, None, "clear", spec.reason)
+    if name == "mul" and _is_square(eqn):
+        name = "square"
+        spec = ops.spec_for("square")
+    lookup = region.composite or name
+    op_class = cfg.lists.classify(lookup)
+    flags = spec.flags if spec is not None and not region.composite else frozenset()
+    out_aval: Any = eqn.outvars[0].aval if eqn.outvars else None
+    out_shape = getattr(out_aval, "shape", ())
+    # In a backward pass under float16, a broadcast cotangent (the gradient of
+    # a sum or a mean) is the gradient signal, often below float16's normal
+    # range: it anchors instead of following.
+    broadcast_follows = not (region.backward and not has_float32_range(cfg.low_dtype))
+    operands = tuple(
+        (float_dtype(x), follows(v, m, out_shape, broadcast_follows))
+        for v, x, m in zip(eqn.invars, invals, marks, strict=True)
+    )
+    d = decide(
+        lookup,
+        operands,
+        op_class=op_class,
+        mode=cfg.mode,
+        low=cfg.low_dtype,
+        flags=flags,
+        backward=region.backward,
+        high_precision=_asks_high_precision(eqn),
+        traced_out=float_dtype(out_aval) if op_class == "allow" else None,
+        **_float8_args(cfg, eqn, spec, op_class, marks, out_shape),
+    )
+    if region.composite:
+        return dataclasses.replace(
+            d, reason=f"inside {region.composite} (a JAX composite): {d.reason}"
+        )
+    if name == "square" and eqn.primitive.name == "mul":
+        return dataclasses.replace(d, reason=f"mul of a value by itself: {d.reason}")
+    return d
+
+
+def decide_epilogue(
+    eqn: JaxprEqn,
+    spec: ops.OpSpec | None,
+    decision: Decision,
+    invals: Sequence[Any],
+    marks: Sequence[int],
+    products: Sequence[bool],
+) -> tuple[Decision, int] | None:
+    """A bias add run on the float32 product of the CPU matmul that feeds it.
+
+    ``dot(x, w) + b`` would otherwise round the dot's float32 product to the low
+    dtype, round ``b`` too, add, and round again. Adding in float32 and rounding
+    once is what a GEMM epilogue does (cuBLAS, oneDNN): the same dtype, at least
+    as accurate, and XLA:CPU fuses the add into the rounding. ``products`` says
+    per operand whether it is such a product (the interpreter keeps them).
+
+    Returns ``(decision, operand)``: the fused decision and which operand to
+    replace by the float32 product; ``None`` when ``eqn`` is not such an add.
+    """
+    if (
+        spec is None
+        or ops.EPILOGUE not in spec.flags
+        or decision.precision is not Precision.LOW
+        or len(invals) != 2
+        or sum(products) != 1
+    ):
+        return None
+    i = list(products).index(True)
+    other = 1 - i
+    out_shape = aval_shape(eqn.outvars[0])
+    if float_dtype(invals[other]) is None or not follows(
+        eqn.invars[other], marks[other], out_shape
+    ):
+        return None
+    fused = Decision(
+        Precision.FLOAT32,
+        _F32,
+        decision.op_class,
+        f"{decision.reason}; fused into the dot before it: added in float32 to "
+        f"its float32 product, rounded once to {decision.dtype}",
+        out_dtype=decision.dtype,
+    )
+    return fused, i
+
+
+# ------------------------------------------------------------------ loops, branches
+
+
+def _widest_pair(a: np.dtype, b: np.dtype) -> np.dtype:
+    """The wider of two floating dtypes (float16 vs bfloat16: float32)."""
+    if a == b:
+        return a
+    if a.itemsize != b.itemsize:
+        return a if a.itemsize > b.itemsize else b
+    return np.dtype(np.float32) if a.itemsize < 4 else a
+
+
+def carry_dtypes(received: Sequence[Any], traced: Sequence[Any]) -> list[Any]:
+    """Per loop carry: the wider of the received and the traced floating dtype
+    (``None`` for a carry that is not floating). A float32 RNN state stays
+    float32 across iterations; the body's results are cast back to it.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> carry_dtypes([jnp.ones(2, jnp.bfloat16)], [jnp.ones(2)])
+        [dtype('float32')]
+    """
+    out = []
+    for x, a in zip(received, traced, strict=True):
+        dx, da = float_dtype(x), float_dtype(a)
+        out.append(None if dx is None or da is None else _widest_pair(dx, da))
+    return out
+
+
+def branch_dtypes(per_branch: Sequence[Sequence[Any]]) -> list[Any]:
+    """Per ``cond`` result: the widest floating dtype any branch gives
+    (``None`` for results that are not floating), so that the branches agree.
+
+    Examples:
+        >>> branch_dtypes([[np.dtype("bfloat16")], [np.dtype("float32")]])
+        [dtype('float32')]
+    """
+    target: list[Any] = []
+    for column in zip(*per_branch, strict=True):
+        if column[0] is None:
+            target.append(None)
+            continue
+        d = column[0]
+        for other in column[1:]:
+            d = _widest_pair(d, other)
+        target.append(d)
+    return target

@@ -6,26 +6,22 @@ directly, ``zip(strict=True)``, each equation under its user source context and
 
 1. finds the op's entry in the op table (:mod:`~mixprec._src.autocast.ops`);
 2. for a higher-order primitive, hands the equation to its rule, which walks the
-   body with this same interpreter;
-3. otherwise decides the precision once (:func:`~mixprec._src.autocast.decide.decide`,
-   adjusted for the region the equation is in) and runs the op's rule with the
-   :class:`Decision`;
+   body with this same interpreter (or, if the observer runs higher-order
+   equations itself, to the observer);
+3. otherwise asks :mod:`~mixprec._src.autocast.decide` for the precision, once,
+   and runs the op's rule with that :class:`~mixprec._src.autocast.decide.Decision`;
 4. tells the observer, if there is one, what ran.
 
-Three clients share the walk. :func:`mixprec.autocast` stages the result out.
-``mixprec.explain`` adds an observer that records each decision while the same
-transformed jaxpr is traced. ``mixprec.diagnose`` runs the walk on concrete
-``Dual`` values (a float32 reference and the autocast value side by side): each
-equation also runs as written on the reference, loops are stepped and branches
-taken concretely, and the observer compares the two.
+Three clients share the walk, through the same front door
+(:mod:`~mixprec._src.autocast.api`). :func:`mixprec.autocast` stages the result
+out. ``mixprec.explain`` adds an observer that records each decision while the
+transformed jaxpr is traced. ``mixprec.diagnose`` walks concrete values with an
+observer that also runs each equation as written (the float32 reference) and
+steps loops and branches itself (:mod:`mixprec._src.numerics.diagnose`).
 
-Per variable the walk keeps four marks: ``FOLLOWS`` (broadcast into its
-consumers: a bias, a scale, a scalar), ``STAT`` (a statistic: computed from a
-reduction, like a mean or a variance; it is never a follower, even broadcast),
-``CONST`` (computed from constants only) and ``GRAD`` (a gradient: computed in a
-backward pass from the loss's cotangent). The first two decide which operands
-anchor a gray op; ``CONST`` makes casts of constants saturate; ``GRAD`` sends a
-float8 matmul's gradient operand to ``float8_e5m2``.
+The interpreter decides nothing: dtypes are chosen in
+:mod:`~mixprec._src.autocast.decide`, which also says how the marks of each value
+(``FOLLOWS``, ``STAT``, ``CONST``, ``GRAD``) propagate.
 """
 
 from __future__ import annotations
@@ -35,7 +31,7 @@ import dataclasses
 import functools as ft
 import os
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 import jax.numpy as jnp
 import numpy as np
@@ -44,9 +40,22 @@ from jax.extend import source_info_util as siu
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal
 
 from mixprec._src import _compat
-from mixprec._src.autocast import float8_dots, ops, regions
+from mixprec._src.autocast import ops, regions
+from mixprec._src.autocast.avals import aval_dtype, aval_shape, float_dtype, same_shape
 from mixprec._src.autocast.config import CastConfig
-from mixprec._src.autocast.decide import Decision, Precision, decide, has_float32_range
+from mixprec._src.autocast.decide import (
+    CONST,
+    FOLLOWS,
+    GRAD,
+    HIGHER_ORDER,
+    STAT,
+    Decision,
+    Precision,
+    decide_epilogue,
+    decide_eqn,
+    literal_mark,
+    out_marks,
+)
 
 
 __all__ = [
@@ -55,7 +64,6 @@ __all__ = [
     "GRAD",
     "STAT",
     "CastContext",
-    "Dual",
     "Observer",
     "Walk",
     "eval_jaxpr",
@@ -65,38 +73,6 @@ __all__ = [
 siu.register_exclusion(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
 
 _F32 = np.dtype(np.float32)
-
-#: The value is broadcast into its consumers (bias, scale, scalar): it follows.
-FOLLOWS = 1
-#: The value is computed from literals and constants only.
-CONST = 2
-#: The value is a statistic: a reduction, or computed from reductions and
-#: constants only (a mean, a variance, 1/sqrt(var + eps), a max).
-STAT = 4
-#: The value is a gradient: computed in a backward pass from the cotangent
-#: that starts it (a constant such as the ``1.0`` of ``jax.grad``).
-GRAD = 8
-
-# Reductions whose results are statistics of their operand.
-_REDUCTIONS = frozenset(
-    {
-        "reduce_sum",
-        "reduce_max",
-        "reduce_min",
-        "reduce_prod",
-        "psum",
-        "psum_invariant",
-        "pmax",
-        "pmin",
-    }
-)
-
-
-class Dual(NamedTuple):
-    """A float32 reference value and the autocast value of one variable."""
-
-    ref: Any
-    mix: Any
 
 
 class Observer(Protocol):
@@ -110,14 +86,19 @@ class Observer(Protocol):
         ran_with: Sequence[Any],
         invals: Sequence[Any],
         outs: Sequence[Any],
-        rerun: Callable[[Sequence[Any]], list[Any]] | None = None,
+        rerun: Callable[[Sequence[Any]], list[Any]],
     ) -> None:
-        """Called after a (first-order) equation ran. In a dual walk ``invals``
-        and ``outs`` hold :class:`Dual` values, and ``rerun(values)`` runs the
-        equation again with the same decision on other (plain) operands."""
+        """Called after a first-order equation ran, with its operands and
+        results; ``rerun(values)`` runs the equation again, with the same
+        decision, on other operands."""
 
     def on_note(self, walk: Walk, eqn: JaxprEqn, text: str) -> None:
-        """Called when a dual walk cannot compare part of a function."""
+        """Called with something a report should say about ``eqn``."""
+
+    def run_higher_order(self, ctx: CastContext, invals: Sequence[Any]) -> Any:
+        """Runs a higher-order equation in place of its rule, or returns
+        ``NotImplemented`` to let the rule run it (``diagnose`` steps loops
+        and takes branches on concrete values here)."""
 
 
 # ------------------------------------------------------------------ the walk
@@ -135,12 +116,10 @@ class Walk:
         "composite",
         "config",
         "current",
-        "dual",
         "float32",
         "observer",
         "parent_source",
         "path",
-        "probing",
         "scalars",
         "trip",
         "wide",
@@ -151,30 +130,26 @@ class Walk:
         config: CastConfig,
         *,
         observer: Observer | None = None,
-        dual: bool = False,
         path: str = "",
         trip: int = 1,
         float32: bool = False,
         composite: str = "",
         backward: bool = False,
-        probing: bool = False,
         parent_source: str = "",
     ) -> None:
         self.config = config
         self.observer = observer
-        self.dual = dual
         self.path = path
         self.trip = trip
         self.float32 = float32
         self.composite = composite
         self.backward = backward
-        self.probing = probing
         # The user source line of the higher-order equation around this body
         # (for equations without one of their own), and the equation being run.
         self.parent_source = parent_source
         self.current: JaxprEqn | None = None
         # Float32 products of this jaxpr's CPU dots, by the dot's outvar, for
-        # a bias add that follows (see `_epilogue`).
+        # a bias add that follows (see `decide.decide_epilogue`).
         self.wide: dict[Any, Any] = {}
         # The value of constants that are a scalar broadcast, reshaped or
         # converted (`jnp.full(shape, finfo.min)`), by outvar: a cast of one
@@ -184,13 +159,11 @@ class Walk:
     def _copy(self, **changes: Any) -> Walk:
         kw = {
             "observer": self.observer,
-            "dual": self.dual,
             "path": self.path,
             "trip": self.trip,
             "float32": self.float32,
             "composite": self.composite,
             "backward": self.backward,
-            "probing": self.probing,
             "parent_source": self.parent_source,
         }
         config = changes.pop("config", self.config)
@@ -210,16 +183,26 @@ class Walk:
 
     def probe(self) -> Walk:
         """A walk that observes nothing (a body traced only for its types)."""
-        return self._copy(observer=None, probing=True, dual=False)
-
-    def staged(self) -> Walk:
-        """The same walk on plain (not dual) values."""
-        return self._copy(dual=False, observer=None)
+        return self._copy(observer=None)
 
     @property
     def key(self) -> tuple[Any, ...]:
         """What decides how a body is transformed (for caches)."""
         return (self.config, self.float32, self.composite, self.backward)
+
+    def in_region(self, region: tuple[str, Any] | None) -> Walk:
+        """This walk inside a region (:mod:`~mixprec._src.autocast.regions`):
+        ``float32_scope``, ``precision_scope`` or a nested autocast."""
+        if region is None:
+            return self
+        kind, value = region
+        if kind == "float32":
+            return self._copy(float32=True, composite="")
+        if kind == "policy":
+            return self._copy(
+                config=self.config.with_policy(value), float32=False, composite=""
+            )
+        return self._copy(config=value, float32=False, composite="")
 
     def for_eqn(self, eqn: JaxprEqn) -> Walk:
         """This walk, adjusted for the region and pass ``eqn`` is in."""
@@ -229,115 +212,7 @@ class Walk:
         walk = self
         if backward and not self.backward:
             walk = walk._copy(backward=True)
-        if region is None:
-            return walk
-        kind, value = region
-        if kind == "float32":
-            return walk._copy(float32=True, composite="")
-        if kind == "policy":
-            return walk._copy(
-                config=walk.config.with_policy(value), float32=False, composite=""
-            )
-        return walk._copy(config=value, float32=False, composite="")
-
-    # -- deciding ----------------------------------------------------------
-    def decide(
-        self,
-        eqn: JaxprEqn,
-        spec: ops.OpSpec | None,
-        invals: Sequence[Any],
-        marks: Sequence[int],
-    ) -> Decision:
-        """The precision of ``eqn`` with these operands, in this walk."""
-        name = eqn.primitive.name
-        cfg = self.config
-        if self.float32:
-            return Decision(
-                Precision.ORIGINAL,
-                None,
-                cfg.lists.classify(name),
-                "inside mixprec.float32_scope(): as written",
-            )
-        if spec is None and name not in cfg.lists.names():
-            if cfg.strict:
-                _raise_unclassified(cfg, eqn)
-            return Decision(
-                Precision.ORIGINAL,
-                None,
-                "infer",
-                "in no op list and no rule: runs as written",
-            )
-        if spec is not None and ops.OPAQUE in spec.flags:
-            return Decision(Precision.ORIGINAL, None, "clear", spec.reason)
-        if name == "mul" and _is_square(eqn):
-            name = "square"
-            spec = ops.spec_for("square")
-        lookup = self.composite or name
-        op_class = cfg.lists.classify(lookup)
-        flags = spec.flags if spec is not None and not self.composite else frozenset()
-        out_aval: Any = eqn.outvars[0].aval if eqn.outvars else None
-        out_shape = getattr(out_aval, "shape", ())
-        # In a backward pass under float16, a broadcast cotangent (the
-        # gradient of a sum or a mean) is the gradient signal, often below
-        # float16's normal range: it anchors instead of following.
-        broadcast_follows = not (self.backward and not has_float32_range(cfg.low_dtype))
-        operands = tuple(
-            (_float_dtype(x), _follows(v, x, m, out_shape, broadcast_follows))
-            for v, x, m in zip(eqn.invars, invals, marks, strict=True)
-        )
-        float8 = _float8_args(cfg, eqn, spec, op_class, marks, out_shape)
-        d = decide(
-            lookup,
-            operands,
-            op_class=op_class,
-            mode=cfg.mode,
-            low=cfg.low_dtype,
-            flags=flags,
-            backward=self.backward,
-            high_precision=_asks_high_precision(eqn),
-            traced_out=_float_dtype(out_aval) if op_class == "allow" else None,
-            **float8,
-        )
-        if self.composite:
-            return dataclasses.replace(
-                d, reason=f"inside {self.composite} (a JAX composite): {d.reason}"
-            )
-        if name == "square" and eqn.primitive.name == "mul":
-            return dataclasses.replace(
-                d, reason=f"mul of a value by itself: {d.reason}"
-            )
-        return d
-
-
-def _float8_args(
-    cfg: CastConfig,
-    eqn: JaxprEqn,
-    spec: ops.OpSpec | None,
-    op_class: str,
-    marks: Sequence[int],
-    out_shape: Sequence[Any],
-) -> dict[str, Any]:
-    """The float8 arguments of :func:`decide` for ``eqn`` (none without a recipe,
-    or for an op without a float8 formulation)."""
-    recipe = cfg.policy.float8
-    name = eqn.primitive.name
-    if (
-        recipe is None
-        or op_class != "allow"
-        or spec is None
-        or ops.FLOAT8 not in spec.flags
-    ):
-        return {}
-    dims = float8_dots.product_dims(
-        name, [aval_shape(v) for v in eqn.invars], out_shape, eqn.params
-    )
-    size, align = dims if dims is not None else (None, ())
-    return {
-        "float8": recipe,
-        "float8_dims": size,
-        "float8_align": align,
-        "gradients": tuple(bool(m & GRAD) for m in marks),
-    }
+        return walk.in_region(region)
 
 
 def _trip(n: Any) -> int:
@@ -353,86 +228,6 @@ def _stack_info(name_stack: Any) -> tuple[tuple[str, Any] | None, bool]:
     if not text:
         return None, False
     return regions.parse_name_stack(text), "transpose(" in text
-
-
-def _is_square(eqn: JaxprEqn) -> bool:
-    a, b = eqn.invars
-    return a is b and not isinstance(a, Literal)
-
-
-def _float_dtype(x: Any) -> np.dtype | None:
-    dtype = getattr(x, "dtype", None)
-    if dtype is None:
-        if isinstance(x, float):
-            return _F32
-        return None
-    try:
-        if not jnp.issubdtype(dtype, jnp.floating):
-            return None
-    except TypeError:  # extended dtypes (PRNG keys)
-        return None
-    return np.dtype(dtype)
-
-
-def aval_shape(var: Any) -> tuple[Any, ...]:
-    """The shape of a jaxpr variable (``()`` for tokens and other non-arrays)."""
-    return tuple(getattr(var.aval, "shape", ()))
-
-
-def aval_dtype(var: Any) -> Any:
-    """The dtype of a jaxpr variable (``None`` for tokens and other non-arrays)."""
-    return getattr(var.aval, "dtype", None)
-
-
-def _same_shape(a: Sequence[Any], b: Sequence[Any]) -> bool:
-    try:
-        return tuple(a) == tuple(b)
-    except Exception:  # noqa: BLE001  (undecidable symbolic dimensions)
-        return False
-
-
-def _follows(
-    var: Any,
-    x: Any,
-    mark: int,
-    out_shape: Sequence[Any],
-    broadcast_follows: bool = True,
-) -> bool:
-    """Whether an operand follows the others in a gray op (does not anchor it):
-    a weak-typed scalar always; an operand broadcast into the result (a bias, a
-    scale) unless it is a statistic or ``broadcast_follows`` is False."""
-    aval = var.aval
-    if getattr(aval, "weak_type", False):
-        return True
-    if mark & STAT or not broadcast_follows:
-        return False
-    if mark & FOLLOWS:
-        return True
-    return not _same_shape(getattr(aval, "shape", ()), out_shape)
-
-
-def _asks_high_precision(eqn: JaxprEqn) -> bool:
-    precision = eqn.params.get("precision")
-    if precision is None:
-        return False
-    items = precision if isinstance(precision, tuple | list) else (precision,)
-    high = (lax.Precision.HIGH, lax.Precision.HIGHEST)
-    return any(p in high for p in items)
-
-
-def _raise_unclassified(cfg: CastConfig, eqn: JaxprEqn) -> None:
-    name = eqn.primitive.name
-    try:
-        cfg.lists.classify(name, strict=True)
-    except NotImplementedError:
-        where = _compat.eqn_source_summary(eqn.source_info) or "unknown location"
-        raise NotImplementedError(
-            f"No cast rule for primitive '{name}' (at {where}) and it is in no op "
-            "list, so `autocast(..., strict=True)` cannot decide its precision. "
-            "Register a rule with `mixprec.register_rule(primitive, rule)` or add "
-            "it to a list with `mixlist={'gray-list': {'to-add': "
-            f"['{name}']}}}}`."
-        ) from None
 
 
 # ------------------------------------------------------------------ rules' view
@@ -455,6 +250,9 @@ class CastContext:
         walk: where the interpreter is (higher-order rules recurse with it).
         marks: per operand, the interpreter's marks (``FOLLOWS``, ``CONST``).
         out_marks: higher-order rules may fill in the marks of their results.
+        fused: the equation is a bias add fused into the matmul before it
+            (:func:`~mixprec._src.autocast.decide.decide_epilogue`): it runs
+            through the default rule on that matmul's float32 product.
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -481,6 +279,7 @@ class CastContext:
     walk: Walk
     marks: Sequence[int]
     out_marks: list[int]
+    fused: bool = False
 
     @property
     def policy(self) -> Any:
@@ -523,7 +322,7 @@ def cast(x: Any, dtype: Any, *, saturate: bool = False) -> Any:
     finite value instead of ``inf``.
     """
     dtype = np.dtype(dtype)
-    dt = _float_dtype(x)
+    dt = float_dtype(x)
     if dt is None or dt == dtype:
         return x
     if saturate and dtype.itemsize < dt.itemsize:
@@ -545,7 +344,7 @@ def cast_operands(ctx: CastContext, invals: Sequence[Any]) -> list[Any]:
     eqn = ctx.eqn
     if d.precision is Precision.ORIGINAL:
         return [
-            cast(x, aval_dtype(v)) if _float_dtype(x) is not None else x
+            cast(x, aval_dtype(v)) if float_dtype(x) is not None else x
             for x, v in zip(invals, eqn.invars, strict=True)
         ]
     if d.dtype is None:
@@ -557,7 +356,7 @@ def cast_operands(ctx: CastContext, invals: Sequence[Any]) -> list[Any]:
     elementwise = spec is not None and ops.BROADCASTS in spec.flags
     out = []
     for x, v, m in zip(invals, eqn.invars, ctx.marks, strict=True):
-        dt = _float_dtype(x)
+        dt = float_dtype(x)
         if dt is None or dt == target:
             out.append(x)
             continue
@@ -565,7 +364,7 @@ def cast_operands(ctx: CastContext, invals: Sequence[Any]) -> list[Any]:
         if narrowing and m & CONST:
             # A constant has no gradient: saturate it, cast it where it is.
             x = _saturate_constant(ctx.walk, v, x, target)
-        elif narrowing and elementwise and not _same_shape(aval_shape(v), out_shape):
+        elif narrowing and elementwise and not same_shape(aval_shape(v), out_shape):
             # Broadcast first: the transpose then sums the gradient in `dt`.
             x = _broadcast_to(x, out_shape)
         out.append(cast(x, target))
@@ -589,12 +388,6 @@ def _saturate_constant(walk: Walk, var: Any, x: Any, dtype: np.dtype) -> Any:
     return lax.select(lax.is_finite(x), clipped, x)
 
 
-#: Ops whose result is a known scalar constant when their operand is one.
-_SCALAR_VIEWS = frozenset(
-    {"broadcast_in_dim", "reshape", "convert_element_type", "squeeze", "expand_dims"}
-)
-
-
 def _broadcast_to(x: Any, shape: Sequence[Any]) -> Any:
     """``x`` broadcast to ``shape`` as an elementwise op would (scalars and
     size-1 dimensions)."""
@@ -611,7 +404,7 @@ def ran_with(decision: Decision, eqn: JaxprEqn, invals: Sequence[Any]) -> list[A
     out = []
     formats = decision.operand_dtypes or ()
     for i, (x, v) in enumerate(zip(invals, eqn.invars, strict=True)):
-        dt = _float_dtype(x)
+        dt = float_dtype(x)
         if dt is None:
             out.append(getattr(x, "dtype", None) or np.asarray(x).dtype)
         elif i < len(formats):
@@ -646,25 +439,13 @@ def _canonical_params(params: dict[str, Any]) -> dict[str, Any]:
 
 
 def bind_as_written(eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
-    """Runs ``eqn`` exactly as traced (the float32 reference of a dual walk)."""
+    """Runs ``eqn`` exactly as traced (``diagnose``'s float32 reference)."""
     params = eqn.primitive.get_bind_params(eqn.params)
     subfuns: Sequence[Any] = ()
     if isinstance(params, tuple):  # older JAX: (subfuns, params)
         subfuns, params = params
     out = eqn.primitive.bind(*subfuns, *invals, **params)
     return list(out) if eqn.primitive.multiple_results else [out]
-
-
-def _hop_decision() -> Decision:
-    return Decision(
-        Precision.RECEIVED,
-        None,
-        None,
-        "higher-order primitive: its body is decided equation by equation",
-    )
-
-
-_HOP_DECISION = _hop_decision()
 
 
 def _has_jaxpr_params(params: dict[str, Any]) -> bool:
@@ -676,97 +457,6 @@ def _has_jaxpr_params(params: dict[str, Any]) -> bool:
         ):
             return True
     return False
-
-
-def _out_marks(
-    spec: ops.OpSpec | None,
-    eqn: JaxprEqn,
-    marks: Sequence[int],
-    n: int,
-    backward: bool = False,
-) -> list[int]:
-    const = CONST if all(m & CONST for m in marks) else 0
-    grad = 0
-    if backward and (any(m & GRAD for m in marks) or (marks and const)):
-        # A backward pass starts from a constant cotangent (`jax.grad`'s 1.0);
-        # what it computes from that is a gradient, residuals are not.
-        grad = GRAD
-    name = eqn.primitive.name
-    if name in _REDUCTIONS or (
-        marks
-        and any(m & STAT for m in marks)
-        and all(m & (STAT | CONST) for m in marks)
-    ):
-        # A statistic, broadcast or not: never a follower.
-        return [STAT | const | grad] * n
-    follows = 0
-    if spec is not None and eqn.invars:
-        if name == "broadcast_in_dim":
-            src = aval_shape(eqn.invars[0])
-            if _size(src) != _size(aval_shape(eqn.outvars[0])):
-                follows = FOLLOWS
-            else:  # only size-1 dimensions added: a reshape
-                follows = marks[0] & FOLLOWS
-        elif ops.VIEW in spec.flags:
-            follows = marks[0] & FOLLOWS
-    if not eqn.invars and spec is not None and spec.op_class == "clear":
-        const = CONST  # iota and friends
-    return [const | follows | grad] * n
-
-
-def _size(shape: Sequence[Any]) -> Any:
-    try:
-        return int(np.prod([int(d) for d in shape]))
-    except Exception:  # noqa: BLE001  (symbolic dimensions)
-        return tuple(shape)
-
-
-_EPILOGUE_OPS = frozenset({"add", "sub"})
-
-
-def _epilogue(
-    walk: Walk,
-    eqn: JaxprEqn,
-    invals: list[Any],
-    marks: Sequence[int],
-    decision: Decision,
-) -> Decision | None:
-    """Runs a bias add on the float32 product of the CPU dot that feeds it.
-
-    ``dot(x, w) + b`` would otherwise round the dot's float32 product to the low
-    dtype, round ``b`` too, add, and round again. Adding in float32 and rounding
-    once is what a GEMM epilogue does (cuBLAS, oneDNN): the same dtype, at least
-    as accurate, and XLA:CPU fuses the add into the rounding. Replaces the dot's
-    operand in ``invals`` by its product and returns the fused decision, or
-    returns None when ``eqn`` is not such an add.
-    """
-    if (
-        not walk.wide
-        or eqn.primitive.name not in _EPILOGUE_OPS
-        or decision.precision is not Precision.LOW
-        or len(invals) != 2
-    ):
-        return None
-    dot_side = [not isinstance(v, Literal) and v in walk.wide for v in eqn.invars]
-    if sum(dot_side) != 1:
-        return None
-    i = dot_side.index(True)
-    other = 1 - i
-    out_shape = aval_shape(eqn.outvars[0])
-    if not (
-        _float_dtype(invals[other]) is not None
-        and _follows(eqn.invars[other], invals[other], marks[other], out_shape)
-    ):
-        return None
-    invals[i] = walk.wide[eqn.invars[i]]
-    return Decision(
-        Precision.FLOAT32,
-        _F32,
-        decision.op_class,
-        f"{decision.reason}; fused into the dot before it: added in float32 to "
-        f"its float32 product, rounded once to {decision.dtype}",
-        out_dtype=decision.dtype,
-    )
 
 
 def default_rule(prim: Any, ctx: CastContext, *invals: Any, **params: Any) -> Any:
@@ -781,6 +471,31 @@ def default_rule(prim: Any, ctx: CastContext, *invals: Any, **params: Any) -> An
     return cast(out, out_dtype)
 
 
+def _run_rule(
+    spec: ops.OpSpec | None, prim: Any, ctx: CastContext, invals: Sequence[Any]
+) -> list[Any]:
+    if spec is not None and spec.rule is not None and not ctx.fused:
+        outs = spec.rule(ctx, *invals, **ctx.eqn.params)
+    else:
+        outs = default_rule(prim, ctx, *invals, **ctx.eqn.params)
+    return list(outs) if prim.multiple_results else [outs]
+
+
+def run_decided(
+    walk: Walk,
+    eqn: JaxprEqn,
+    decision: Decision,
+    invals: Sequence[Any],
+    marks: Sequence[int],
+    *,
+    fused: bool = False,
+) -> list[Any]:
+    """Runs a first-order ``eqn`` with a decision already made (no observer)."""
+    spec = ops.spec_for(eqn.primitive.name)
+    ctx = CastContext(walk.config, eqn, decision, walk, marks, [], fused)
+    return _run_rule(spec, eqn.primitive, ctx, invals)
+
+
 def run_eqn(
     walk: Walk, eqn: JaxprEqn, invals: list[Any], marks: Sequence[int]
 ) -> tuple[list[Any], list[int]]:
@@ -789,72 +504,38 @@ def run_eqn(
     spec = ops.spec_for(prim.name)
     n_out = len(eqn.outvars)
     if (spec is not None and spec.is_higher_order) or _has_jaxpr_params(eqn.params):
-        rule = ops.higher_order_rule(prim.name)
         walk.current = eqn
-        out_marks = [0] * n_out
-        ctx = CastContext(walk.config, eqn, _HOP_DECISION, walk, marks, out_marks)
-        outs = rule(ctx, *invals, **eqn.params)
+        hop_marks = [0] * n_out
+        ctx = CastContext(walk.config, eqn, HIGHER_ORDER, walk, marks, hop_marks)
+        outs: Any = NotImplemented
+        if walk.observer is not None:
+            outs = walk.observer.run_higher_order(ctx, invals)
+        if outs is NotImplemented:
+            outs = ops.higher_order_rule(prim.name)(ctx, *invals, **eqn.params)
         outs = list(outs) if prim.multiple_results else [outs]
-        return outs, out_marks
-    if walk.dual:
-        return _run_dual(walk, eqn, spec, invals, marks)
-    decision = walk.decide(eqn, spec, invals, marks)
-    fused = _epilogue(walk, eqn, invals, marks, decision)
-    if fused is not None:
-        decision = fused
-    ctx = CastContext(walk.config, eqn, decision, walk, marks, [])
-    if spec is not None and spec.rule is not None and fused is None:
-        outs = spec.rule(ctx, *invals, **eqn.params)
-    else:
-        outs = default_rule(prim, ctx, *invals, **eqn.params)
-    outs = list(outs) if prim.multiple_results else [outs]
-    if walk.observer is not None and not walk.probing:
-        walk.observer.on_eqn(
-            walk, eqn, decision, ran_with(decision, eqn, invals), invals, outs
-        )
-    return outs, _out_marks(spec, eqn, marks, n_out, walk.backward)
-
-
-def _run_dual(
-    walk: Walk,
-    eqn: JaxprEqn,
-    spec: ops.OpSpec | None,
-    invals: list[Any],
-    marks: Sequence[int],
-) -> tuple[list[Any], list[int]]:
-    ref_in = [x.ref if isinstance(x, Dual) else x for x in invals]
-    mix_in = [x.mix if isinstance(x, Dual) else x for x in invals]
-    decision = walk.decide(eqn, spec, mix_in, marks)
-    fused = _epilogue(walk, eqn, mix_in, marks, decision)
-    if fused is not None:
-        decision = fused
-    ctx = CastContext(walk.config, eqn, decision, walk, marks, [])
-    prim = eqn.primitive
-    if spec is not None and spec.rule is not None and fused is None:
-        mix_out = spec.rule(ctx, *mix_in, **eqn.params)
-    else:
-        mix_out = default_rule(prim, ctx, *mix_in, **eqn.params)
-    mix_out = list(mix_out) if prim.multiple_results else [mix_out]
-    ref_out = bind_as_written(eqn, ref_in)
-    outs = [Dual(r, m) for r, m in zip(ref_out, mix_out, strict=True)]
+        return outs, hop_marks
+    decision = decide_eqn(walk, eqn, spec, invals, marks)
+    fused = False
+    if walk.wide:
+        products = [not isinstance(v, Literal) and v in walk.wide for v in eqn.invars]
+        epilogue = decide_epilogue(eqn, spec, decision, invals, marks, products)
+        if epilogue is not None:
+            decision, i = epilogue
+            invals[i] = walk.wide[eqn.invars[i]]
+            fused = True
+    ctx = CastContext(walk.config, eqn, decision, walk, marks, [], fused)
+    outs = _run_rule(spec, prim, ctx, invals)
     if walk.observer is not None:
-        duals = [Dual(r, m) for r, m in zip(ref_in, mix_in, strict=True)]
-        fused_rule = fused is not None
+        plain = walk.probe()
 
         def rerun(values: Sequence[Any]) -> list[Any]:
-            staged = walk.staged()
-            c = CastContext(walk.config, eqn, decision, staged, marks, [])
             with _eqn_context(eqn):
-                if spec is not None and spec.rule is not None and not fused_rule:
-                    o = spec.rule(c, *values, **eqn.params)
-                else:
-                    o = default_rule(prim, c, *values, **eqn.params)
-            return list(o) if prim.multiple_results else [o]
+                return run_decided(plain, eqn, decision, values, marks, fused=fused)
 
         walk.observer.on_eqn(
-            walk, eqn, decision, ran_with(decision, eqn, mix_in), duals, outs, rerun
+            walk, eqn, decision, ran_with(decision, eqn, invals), invals, outs, rerun
         )
-    return outs, _out_marks(spec, eqn, marks, len(outs), walk.backward)
+    return outs, out_marks(spec, eqn, marks, n_out, walk.backward)
 
 
 @contextlib.contextmanager
@@ -863,12 +544,6 @@ def _eqn_context(eqn: JaxprEqn) -> Iterator[None]:
     with siu.user_context(eqn.source_info.traceback, name_stack=name_stack):
         with eqn.ctx.manager:
             yield
-
-
-def literal_mark(v: Literal) -> int:
-    """The marks of a literal: a constant that follows."""
-    del v
-    return CONST | FOLLOWS
 
 
 def eval_jaxpr(
@@ -909,36 +584,30 @@ def eval_jaxpr(
         mk[v] = m
     for eqn in jaxpr.eqns:
         invals = [v.val if type(v) is Literal else env[v] for v in eqn.invars]
-        inmarks = [literal_mark(v) if type(v) is Literal else mk[v] for v in eqn.invars]
+        inmarks = [literal_mark() if type(v) is Literal else mk[v] for v in eqn.invars]
         w = walk.for_eqn(eqn)
         if w is not walk:
             w.wide, w.scalars = walk.wide, walk.scalars
         with _eqn_context(eqn):
-            outs, out_marks = run_eqn(w, eqn, invals, inmarks)
-        for v, x, m in zip(eqn.outvars, outs, out_marks, strict=True):
+            outs, outmarks = run_eqn(w, eqn, invals, inmarks)
+        for v, x, m in zip(eqn.outvars, outs, outmarks, strict=True):
             env[v] = x
             mk[v] = m
-        if inmarks and inmarks[0] & CONST and eqn.primitive.name in _SCALAR_VIEWS:
-            src = eqn.invars[0]
-            known = src.val if type(src) is Literal else walk.scalars.get(src)
-            if known is not None and np.ndim(known) == 0:
-                walk.scalars[eqn.outvars[0]] = known
+        _note_scalar(walk, eqn, inmarks)
     outs = [v.val if type(v) is Literal else env[v] for v in jaxpr.outvars]
-    out_marks = [
-        literal_mark(v) if type(v) is Literal else mk[v] for v in jaxpr.outvars
-    ]
-    return outs, out_marks
+    outmarks = [literal_mark() if type(v) is Literal else mk[v] for v in jaxpr.outvars]
+    return outs, outmarks
 
 
-def jaxpr_fun(
-    walk: Walk,
-    jaxpr: Jaxpr | ClosedJaxpr,
-    consts: Sequence[Any] = (),
-    marks: Sequence[int] | None = None,
-) -> Callable[..., list[Any]]:
-    """``lambda *args: eval_jaxpr(walk, jaxpr, consts, args, marks)[0]``."""
-
-    def fun(*args: Any) -> list[Any]:
-        return eval_jaxpr(walk, jaxpr, consts, args, marks)[0]
-
-    return fun
+def _note_scalar(walk: Walk, eqn: JaxprEqn, inmarks: Sequence[int]) -> None:
+    """Remembers the value of a constant that views a known scalar (a scalar
+    broadcast, reshaped or converted), for :func:`_saturate_constant`."""
+    if not (inmarks and inmarks[0] & CONST and len(eqn.outvars) == 1):
+        return
+    spec = ops.spec_for(eqn.primitive.name)
+    if spec is None or ops.VIEW not in spec.flags:
+        return
+    src = eqn.invars[0]
+    known = src.val if type(src) is Literal else walk.scalars.get(src)
+    if known is not None and np.ndim(known) == 0:
+        walk.scalars[eqn.outvars[0]] = known

@@ -32,6 +32,11 @@ Flags:
   broadcast, so its gradient is summed in the wider dtype.
 * :data:`FLOAT8`: an allow op with a scaled float8 formulation: under a policy
   with a float8 recipe it runs in float8 (the others stay in the low dtype).
+* :data:`STATISTIC`: a reduction whose result is a statistic of its operand
+  (a sum, a max); a value computed from statistics and constants only is one
+  too, and it anchors gray ops instead of following (``x - mean``).
+* :data:`EPILOGUE`: a bias add that may run on the float32 product of the
+  CPU matmul before it (one rounding, as a GEMM epilogue does).
 
 Composites are nested functions that JAX itself emits as a named ``jit`` or
 ``custom_jvp`` (``jax.nn.log_softmax``, ``jnp.var``, ``jnp.linalg.norm``, ...).
@@ -60,7 +65,9 @@ from mixprec._src._errors import suggest
 
 __all__ = [
     "BROADCASTS",
+    "EPILOGUE",
     "FLOAT8",
+    "STATISTIC",
     "register_rule",
     "COMPOSITES",
     "FLOAT32_ONLY",
@@ -85,7 +92,11 @@ NARROW_RANGE: Final = "narrow_range"
 VIEW: Final = "view"
 BROADCASTS: Final = "broadcasts"
 FLOAT8: Final = "float8"
-FLAGS: Final = frozenset({OPAQUE, FLOAT32_ONLY, NARROW_RANGE, VIEW, BROADCASTS, FLOAT8})
+STATISTIC: Final = "statistic"
+EPILOGUE: Final = "epilogue"
+FLAGS: Final = frozenset(
+    {OPAQUE, FLOAT32_ONLY, NARROW_RANGE, VIEW, BROADCASTS, FLOAT8, STATISTIC, EPILOGUE}
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,6 +177,16 @@ def def_infer(names: Iterable[str], reason: str, **kw: Any) -> None:
 def def_clear(names: Iterable[str], reason: str, **kw: Any) -> None:
     """Adds clear ops to the table."""
     _define("clear", names, reason, **kw)
+
+
+def add_flags(names: Iterable[str], *flags: str) -> None:
+    """Adds ``flags`` to the entries of ``names`` (a role some ops of different
+    classes share, such as :data:`STATISTIC`)."""
+    new = frozenset(flags)
+    assert new <= FLAGS, new - FLAGS
+    for name in names:
+        spec = _ops[name]
+        _ops[name] = dataclasses.replace(spec, flags=spec.flags | new)
 
 
 def def_higher_order(names: Iterable[str], reason: str) -> None:
@@ -841,6 +862,22 @@ KERNEL_LANGUAGE_MODULES: Final[tuple[str, ...]] = (
     "jax._src.tpu_custom_call",
     "jax.experimental.mosaic",
 )
+
+# ----------------------------------------------------------------- roles
+add_flags(
+    [
+        "reduce_sum",
+        "reduce_max",
+        "reduce_min",
+        "reduce_prod",
+        "psum",
+        "psum_invariant",
+        "pmax",
+        "pmin",
+    ],
+    STATISTIC,
+)
+add_flags(["add", "sub"], EPILOGUE)
 
 # ----------------------------------------------------------- higher-order
 def_higher_order(

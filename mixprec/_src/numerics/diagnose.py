@@ -1,10 +1,11 @@
 """Numerics diagnosis: which op breaks in half precision, and what to do about it.
 
 ``mixprec.diagnose(fn, *args, policy=...)`` runs the autocast walk on concrete
-values with *dual* values: every variable holds its float32 reference (the op run
-exactly as written) and its autocast value side by side. It is the walk
-``mixprec.autocast`` uses, with the same decisions and rules; loops are stepped
-and branches taken concretely so that every iteration can be compared.
+values: the function autocast would trace (same front door, same statics), the
+walk ``mixprec.autocast`` uses, with the same decisions and rules. Its observer
+(:class:`_Comparer`) keeps the float32 reference of every variable beside the
+walk (each op also run exactly as written) and runs loops and branches itself,
+stepping them concretely, so that every iteration can be compared.
 
 For every op it measures, on the op's outputs:
 
@@ -44,14 +45,18 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.core import ClosedJaxpr, Literal
 
-from mixprec._src import float8 as f8
+from mixprec._src import _compat, float8 as f8
 from mixprec._src._compat import is_tracer
-from mixprec._src.autocast import interpreter as itp, nnx_state
+from mixprec._src.autocast import api, interpreter as itp
 from mixprec._src.autocast.config import make_config
-from mixprec._src.autocast.interpreter import Dual, Walk
+from mixprec._src.autocast.decide import carry_dtypes
+from mixprec._src.autocast.interpreter import CastContext, Walk
 from mixprec._src.autocast.mixlist import load_spec
 from mixprec._src.autocast.ops import OpLists
+from mixprec._src.autocast.rules import calls, control_flow
+from mixprec._src.autocast.rules.default import cast_all
 from mixprec._src.numerics.advice import (
     GradientHistogram,
     advise_black_list,
@@ -502,14 +507,6 @@ def _dtype_name(x: Any) -> str:
     return str(dtype)
 
 
-def _ref(x: Any) -> Any:
-    return x.ref if isinstance(x, Dual) else x
-
-
-def _mix(x: Any) -> Any:
-    return x.mix if isinstance(x, Dual) else x
-
-
 @dataclasses.dataclass
 class _Site:
     """Mutable accumulator for one op site (one equation at one path)."""
@@ -551,7 +548,15 @@ class _Site:
 
 
 class _Comparer:
-    """The observer of a dual walk: accumulates statistics per op site."""
+    """The observer of a diagnose walk.
+
+    The walk runs the autocast stream; the comparer keeps the float32 stream
+    beside it, in ``ref`` (jaxpr variable -> value): each equation is also run
+    exactly as written on the reference values of its operands. It runs the
+    higher-order equations itself (:meth:`run_higher_order`): call bodies are
+    walked in place, loops stepped and branches taken on concrete values,
+    anything else compared as a whole. Statistics accumulate per op site.
+    """
 
     def __init__(self, *, max_loop_steps: int) -> None:
         self.max_loop_steps = max_loop_steps
@@ -561,11 +566,209 @@ class _Comparer:
         self.notes: list[str] = []
         self.grads = GradientHistogram()
         self.saw_backward = False
+        self.ref: dict[Any, Any] = {}
+
+    # -- the reference stream -------------------------------------------------
+    def seed(self, variables: Sequence[Any], values: Sequence[Any]) -> None:
+        """Sets the reference values of the inputs of a jaxpr about to be walked."""
+        for v, x in zip(variables, values, strict=True):
+            if type(v) is not Literal:
+                self.ref[v] = x
+
+    def read(self, variables: Sequence[Any]) -> list[Any]:
+        """The reference values of ``variables`` (literals: their value)."""
+        return [v.val if type(v) is Literal else self.ref[v] for v in variables]
+
+    def _walk_body(
+        self,
+        walk: Walk,
+        jaxpr: Any,
+        args: Sequence[Any],
+        ref_args: Sequence[Any],
+        marks: Sequence[int],
+    ) -> tuple[list[Any], list[Any], list[int]]:
+        """Walks a body on both streams: returns the autocast results, the
+        reference results and the result marks."""
+        if isinstance(jaxpr, ClosedJaxpr):
+            self.seed(jaxpr.jaxpr.constvars, jaxpr.consts)
+            inner = jaxpr.jaxpr
+        else:
+            inner = jaxpr
+        self.seed(inner.invars, ref_args)
+        outs, out_marks = itp.eval_jaxpr(walk, jaxpr, (), list(args), list(marks))
+        return outs, self.read(inner.outvars), out_marks
 
     def on_note(self, walk: Walk, eqn: Any, text: str) -> None:
         del walk, eqn
         self.notes.append(text)
 
+    # -- higher-order equations ---------------------------------------------
+    def run_higher_order(self, ctx: CastContext, invals: Sequence[Any]) -> Any:
+        eqn = ctx.eqn
+        ref_in = self.read(eqn.invars)
+        name = eqn.primitive.name
+        if name == "scan":
+            outs, ref_out = self._scan(ctx, invals, ref_in)
+        elif name == "while":
+            outs, ref_out = self._while(ctx, invals, ref_in)
+        elif name == "cond":
+            outs, ref_out = self._cond(ctx, invals, ref_in)
+        elif (body := calls.call_body(ctx)) is not None:
+            sub, jaxpr = body
+            outs, ref_out, marks = self._walk_body(
+                sub, jaxpr, invals, ref_in, ctx.marks
+            )
+            ctx.out_marks[:] = marks
+        else:
+            note = (
+                "shard_map: compared as a whole (its collectives need the mesh)"
+                if name == "shard_map"
+                else f"{name}: compared as a whole, not op by op"
+            )
+            outs, ref_out = self._whole(ctx, invals, ref_in, note)
+        self.seed(eqn.outvars, ref_out)
+        return outs if eqn.primitive.multiple_results else outs[0]
+
+    def _whole(
+        self, ctx: CastContext, invals: Sequence[Any], ref_in: Sequence[Any], note: str
+    ) -> tuple[list[Any], list[Any]]:
+        """Runs a higher-order equation as a whole on each stream: the reference
+        as written, the autocast value with its rule (walked unobserved)."""
+        eqn = ctx.eqn
+        plain = dataclasses.replace(ctx, walk=ctx.walk.probe())
+        rule = itp.ops.higher_order_rule(eqn.primitive.name)
+        outs = rule(plain, *invals, **eqn.params)
+        outs = list(outs) if eqn.primitive.multiple_results else [outs]
+        ref_out = itp.bind_as_written(eqn, ref_in)
+        self.on_note(ctx.walk, eqn, note)
+        self._compare(
+            ctx.walk,
+            eqn,
+            ctx.decision,
+            itp.ran_with(ctx.decision, eqn, invals),
+            ref_in,
+            invals,
+            ref_out,
+            outs,
+            None,
+        )
+        return outs, ref_out
+
+    def _scan(
+        self, ctx: CastContext, invals: Sequence[Any], ref_in: Sequence[Any]
+    ) -> tuple[list[Any], list[Any]]:
+        params = ctx.eqn.params
+        jaxpr = params["jaxpr"]
+        nc, ncar = _compat.scan_layout(params)
+        length, reverse = params["length"], params["reverse"]
+        consts, carry, xs = control_flow.split(invals, nc, ncar)
+        rconsts, rcarry, rxs = control_flow.split(ref_in, nc, ncar)
+        dts = carry_dtypes(carry, jaxpr.in_avals[nc : nc + ncar])
+        carry = cast_all(carry, dts)
+        marks = control_flow.scan_body_marks(ctx.marks, nc, ncar)
+        sub = ctx.walk.body("scan/body", trip=length)
+        rows: list[list[Any]] = []
+        ref_rows: list[list[Any]] = []
+        steps = range(length - 1, -1, -1) if reverse else range(length)
+        for i in steps:
+            outs, routs, _ = self._walk_body(
+                sub,
+                jaxpr,
+                [*consts, *carry, *(x[i] for x in xs)],
+                [*rconsts, *rcarry, *(x[i] for x in rxs)],
+                marks,
+            )
+            carry, rcarry = cast_all(outs[:ncar], dts), routs[:ncar]
+            rows.append(outs[ncar:])
+            ref_rows.append(routs[ncar:])
+        if reverse:
+            rows.reverse()
+            ref_rows.reverse()
+        ys_avals = jaxpr.out_avals[ncar:]
+        return [*carry, *_stack(rows, ys_avals)], [*rcarry, *_stack(ref_rows, ys_avals)]
+
+    def _while(
+        self, ctx: CastContext, invals: Sequence[Any], ref_in: Sequence[Any]
+    ) -> tuple[list[Any], list[Any]]:
+        eqn = ctx.eqn
+        p = eqn.params
+        cond_jaxpr, body_jaxpr = p["cond_jaxpr"], p["body_jaxpr"]
+        cn, bn = p["cond_nconsts"], p["body_nconsts"]
+        cconsts, bconsts, carry = control_flow.split(invals, cn, bn)
+        rcconsts, rbconsts, rcarry = control_flow.split(ref_in, cn, bn)
+        dts = carry_dtypes(carry, body_jaxpr.in_avals[bn:])
+        carry = cast_all(carry, dts)
+        cmarks, bmarks = control_flow.while_body_marks(ctx.marks, cn, bn)
+        csub = ctx.walk.body("while/cond")
+        bsub = ctx.walk.body("while/body")
+        steps = 0
+        while True:
+            (pred,), (rpred,), _ = self._walk_body(
+                csub, cond_jaxpr, [*cconsts, *carry], [*rcconsts, *rcarry], cmarks
+            )
+            go_ref, go_mix = _truth(rpred), _truth(pred)
+            if go_ref != go_mix or (go_ref and steps >= self.max_loop_steps):
+                where = _compat.eqn_source_summary(eqn.source_info) or "<unknown>"
+                if go_ref != go_mix:
+                    text = (
+                        f"while_loop at {where}: the autocast run "
+                        f"{'stops' if go_ref else 'continues'} after {steps} "
+                        "iterations where float32 does not; later iterations are "
+                        "not compared."
+                    )
+                else:
+                    text = (
+                        f"while_loop at {where}: compared the first {steps} "
+                        "iterations only (max_loop_steps)."
+                    )
+                self.on_note(ctx.walk, eqn, text)
+                if go_ref:
+                    rcarry = itp.bind_as_written(eqn, [*rcconsts, *rbconsts, *rcarry])
+                if go_mix:
+                    plain = dataclasses.replace(ctx, walk=ctx.walk.probe())
+                    rule = itp.ops.higher_order_rule("while")
+                    carry = list(rule(plain, *cconsts, *bconsts, *carry, **p))
+                return carry, rcarry
+            if not go_ref:
+                return carry, rcarry
+            outs, routs, _ = self._walk_body(
+                bsub, body_jaxpr, [*bconsts, *carry], [*rbconsts, *rcarry], bmarks
+            )
+            carry, rcarry = cast_all(outs, dts), routs
+            steps += 1
+
+    def _cond(
+        self, ctx: CastContext, invals: Sequence[Any], ref_in: Sequence[Any]
+    ) -> tuple[list[Any], list[Any]]:
+        eqn = ctx.eqn
+        branches = eqn.params["branches"]
+        index, operands = invals[0], list(invals[1:])
+        rindex, roperands = ref_in[0], list(ref_in[1:])
+        marks = list(ctx.marks[1:])
+        avals = [_compat.get_aval(x) for x in operands]
+        target = control_flow.branch_out_dtypes(ctx.walk, branches, avals, marks)
+        n = len(branches)
+        i_ref = min(max(int(rindex), 0), n - 1)
+        i_mix = min(max(int(index), 0), n - 1)
+        if i_ref == i_mix:
+            sub = ctx.walk.body(f"cond/branch{i_ref}")
+            outs, routs, _ = self._walk_body(
+                sub, branches[i_ref], operands, roperands, marks
+            )
+            return cast_all(outs, target), routs
+        where = _compat.eqn_source_summary(eqn.source_info) or "<unknown>"
+        self.on_note(
+            ctx.walk,
+            eqn,
+            f"cond at {where}: the autocast run takes branch {i_mix}, float32 "
+            f"takes branch {i_ref}; not compared.",
+        )
+        plain = dataclasses.replace(ctx, walk=ctx.walk.probe())
+        rule = itp.ops.higher_order_rule("cond")
+        outs = list(rule(plain, index, *operands, **eqn.params))
+        return outs, itp.bind_as_written(eqn, ref_in)
+
+    # -- first-order equations ----------------------------------------------
     def _site(
         self, walk: Walk, eqn: Any, decision: Any, ran_with: Sequence[Any]
     ) -> _Site:
@@ -600,14 +803,27 @@ class _Comparer:
         ran_with: Sequence[Any],
         invals: Sequence[Any],
         outs: Sequence[Any],
-        rerun: Callable[[Sequence[Any]], list[Any]] | None = None,
+        rerun: Callable[[Sequence[Any]], list[Any]],
+    ) -> None:
+        in32 = self.read(eqn.invars)
+        out32 = itp.bind_as_written(eqn, in32)
+        self.seed(eqn.outvars, out32)
+        self._compare(walk, eqn, decision, ran_with, in32, invals, out32, outs, rerun)
+
+    def _compare(
+        self,
+        walk: Walk,
+        eqn: Any,
+        decision: Any,
+        ran_with: Sequence[Any],
+        in32: Sequence[Any],
+        inmix: Sequence[Any],
+        out32: Sequence[Any],
+        outmix: Sequence[Any],
+        rerun: Callable[[Sequence[Any]], list[Any]] | None,
     ) -> None:
         site = self._site(walk, eqn, decision, ran_with)
         site.calls += 1
-        in32 = [_ref(x) for x in invals]
-        inmix = [_mix(x) for x in invals]
-        out32 = [_ref(x) for x in outs]
-        outmix = [_mix(x) for x in outs]
         if site.calls == 1:
             site.f32_dtypes = tuple(_dtype_name(x) for x in out32)
             site.out_dtypes = tuple(_dtype_name(x) for x in outmix)
@@ -743,15 +959,31 @@ def _widen_16bit(args: tuple[Any, ...]) -> tuple[Any, ...]:
 def _evaluate(
     fn: Callable[..., Any], args: tuple[Any, ...], config: Any, max_loop_steps: int
 ) -> tuple[_Comparer, list[Any], list[Any]]:
-    pure = nnx_state.as_pure(fn, args, {})
-    if pure is not None:  # NNX objects: as autocast runs them, nothing written back
-        fn, args = pure
-    closed = jax.make_jaxpr(fn)(*args)
-    flat = jax.tree.leaves(args)
+    """Walks ``fn`` on ``args`` as autocast traces it, with a comparer.
+
+    Returns the comparer, and the float32 and autocast values of the outputs.
+    """
+    call = api.split_call(fn, args, {})
+    source = call.source(config)
+    values = [*source.consts, *(call.leaves[i] for i in call.dyn_idx)]
     comparer = _Comparer(max_loop_steps=max_loop_steps)
-    walk = Walk(config, observer=comparer, dual=True)
-    outs, _ = itp.eval_jaxpr(walk, closed, (), [Dual(x, x) for x in flat])
-    return comparer, [_ref(o) for o in outs], [_mix(o) for o in outs]
+    walk = api.region_walk(config, comparer)
+    comparer.seed(source.jaxpr.invars, values)
+    outs, _ = itp.eval_jaxpr(walk, source.jaxpr, (), values, source.in_marks())
+    return comparer, comparer.read(source.jaxpr.outvars), outs
+
+
+def _truth(pred: Any) -> bool:
+    # A batched predicate (a while under vmap) continues while any lane does.
+    return bool(np.any(np.asarray(pred)))
+
+
+def _stack(rows: Sequence[Sequence[Any]], avals: Sequence[Any]) -> list[Any]:
+    """Per-iteration results of a stepped scan, stacked (``avals`` when it ran
+    no iteration)."""
+    if rows:
+        return [jnp.stack(list(col)) for col in zip(*rows, strict=True)]
+    return [jnp.zeros((0, *a.shape), a.dtype) for a in avals]
 
 
 def _refine_advice(

@@ -442,3 +442,9 @@ class Recorder:
     def on_note(self, walk: Any, eqn: jex_core.JaxprEqn, text: str) -> None:
         del walk, eqn
         self.notes.append(text)
+
+    def run_higher_order(self, ctx: Any, invals: Any) -> Any:
+        """Lets each higher-order rule run its equation (``explain`` observes
+        the walk that autocast stages out)."""
+        del ctx, invals
+        return NotImplemented

@@ -11,9 +11,6 @@
   rule). Their tangents and cotangents take the primal's dtype; the JVP rule and
   the backward rule are interpreted too.
 * ``shard_map`` is rebuilt with ``jax.shard_map`` on the same mesh and specs.
-
-In a dual walk (``diagnose``) the bodies of calls are walked inline, on the
-values of both streams.
 """
 
 from __future__ import annotations
@@ -29,31 +26,48 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, primitives as P
 
 from mixprec._src import _compat
 from mixprec._src.autocast import interpreter as itp, ops
+from mixprec._src.autocast.avals import float_dtype
 from mixprec._src.autocast.interpreter import CastContext, Walk
-from mixprec._src.autocast.rules.default import (
-    aval_of,
-    cast_all,
-    float_dtype,
-    run_whole_dual,
-    transform_jaxpr,
-)
+from mixprec._src.autocast.rules.default import aval_of, cast_all, transform_jaxpr
 
 
-__all__: list[str] = []
+__all__ = ["call_body"]
+
+#: Per call primitive: the param holding its body, and its kind.
+_CALL_BODIES = {
+    "jit": ("jaxpr", "jit"),
+    "pjit": ("jaxpr", "jit"),
+    "closed_call": ("call_jaxpr", "call"),
+    "core_call": ("call_jaxpr", "call"),
+    "remat2": ("jaxpr", "checkpoint"),
+    "checkpoint": ("jaxpr", "checkpoint"),
+    "custom_jvp_call": ("call_jaxpr", "custom_jvp"),
+    "custom_vjp_call": ("call_jaxpr", "custom_vjp"),
+}
 
 
-def _inline(
-    ctx: CastContext,
-    jaxpr: Jaxpr | ClosedJaxpr,
-    invals: Sequence[Any],
-    label: str,
-    composite: str | None = None,
-) -> list[Any]:
-    """Walks a call's body in place (dual walks)."""
-    sub = ctx.walk.body(label, composite=composite)
-    outs, marks = itp.eval_jaxpr(sub, jaxpr, (), invals, ctx.marks)
-    ctx.out_marks[:] = marks
-    return outs
+def call_body(ctx: CastContext) -> tuple[Walk, Any] | None:
+    """The walk and the jaxpr of the body of a call equation (a nested
+    ``jit``, ``checkpoint``, ``custom_jvp``/``custom_vjp``, ``closed_call``),
+    or ``None`` for other equations. A body JAX emits for a composite
+    (``jnp.var``, ``jax.nn.log_softmax``) is walked with the composite's class.
+    """
+    found = _CALL_BODIES.get(ctx.eqn.primitive.name)
+    if found is None:
+        return None
+    param, kind = found
+    jaxpr = ctx.eqn.params[param]
+    walk = ctx.walk
+    composite = None
+    if kind in ("jit", "custom_jvp", "custom_vjp") and not walk.float32:
+        composite = ops.composite_for_function(jaxpr)
+    if kind == "jit":
+        label = f"jit({ctx.eqn.params.get('name', 'jit')})"
+    elif kind in ("custom_jvp", "custom_vjp"):
+        label = f"{kind}({_callable_name(jaxpr)})"
+    else:
+        label = kind
+    return walk.body(label, composite=composite), jaxpr
 
 
 # ------------------------------------------------------------------ jit
@@ -66,10 +80,6 @@ _jit_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def _jit_rule(ctx: CastContext, *invals: Any, jaxpr: ClosedJaxpr, **params: Any):
     walk = ctx.walk
     name = str(params.get("name", "jit"))
-    composite = None if walk.float32 else ops.composite_for_function(jaxpr)
-    label = f"jit({name})"
-    if walk.dual:
-        return _inline(ctx, jaxpr, invals, label, composite)
     in_avals = [aval_of(x) for x in invals]
     key = None
     if walk.observer is None:
@@ -82,7 +92,7 @@ def _jit_rule(ctx: CastContext, *invals: Any, jaxpr: ClosedJaxpr, **params: Any)
             new_jaxpr, marks = hit
             ctx.out_marks[:] = marks
             return P.jit_p.bind(*invals, jaxpr=new_jaxpr, **params)
-    sub = walk.body(label, composite=composite)
+    sub, _ = call_body(ctx)  # type: ignore[misc]
     new_jaxpr, marks = transform_jaxpr(sub, jaxpr, in_avals, ctx.marks, name=name)
     if key is not None and not any(_compat.is_tracer(c) for c in new_jaxpr.consts):
         _jit_cache.setdefault(jaxpr, {})[key] = (new_jaxpr, marks)
@@ -92,7 +102,10 @@ def _jit_rule(ctx: CastContext, *invals: Any, jaxpr: ClosedJaxpr, **params: Any)
 
 def _closed_call_rule(ctx: CastContext, *invals: Any, call_jaxpr: Any, **params):
     del params
-    return _inline(ctx, call_jaxpr, invals, "call")
+    sub, _ = call_body(ctx)  # type: ignore[misc]
+    outs, marks = itp.eval_jaxpr(sub, call_jaxpr, (), invals, ctx.marks)
+    ctx.out_marks[:] = marks
+    return outs
 
 
 # ------------------------------------------------------------------ remat
@@ -108,9 +121,7 @@ def _remat_rule(
     **params: Any,
 ):
     del differentiated, params
-    if ctx.walk.dual:
-        return _inline(ctx, jaxpr, invals, "checkpoint")
-    sub = ctx.walk.body("checkpoint")
+    sub, _ = call_body(ctx)  # type: ignore[misc]
     box: dict[str, list[int]] = {}
 
     def fun(*args: Any) -> list[Any]:
@@ -138,7 +149,7 @@ def _callable_name(closed: Any) -> str:
 
 
 def _zeros_like(x: Any) -> Any:
-    return jnp.zeros(jnp.shape(x), itp._float_dtype(x) or jnp.result_type(x))
+    return jnp.zeros(jnp.shape(x), float_dtype(x) or jnp.result_type(x))
 
 
 def _custom_jvp_rule(
@@ -155,8 +166,6 @@ def _custom_jvp_rule(
     name = _callable_name(call_jaxpr)
     composite = None if walk.float32 else ops.composite_for_function(call_jaxpr)
     label = f"custom_jvp({name})"
-    if walk.dual:
-        return _inline(ctx, call_jaxpr, invals, label, composite)
     consts = list(invals[:num_consts])
     args = list(invals[num_consts:])
     marks = list(ctx.marks)
@@ -247,8 +256,6 @@ def _custom_vjp_rule(
     name = _callable_name(call_jaxpr)
     composite = None if walk.float32 else ops.composite_for_function(call_jaxpr)
     label = f"custom_vjp({name})"
-    if walk.dual:
-        return _inline(ctx, call_jaxpr, invals, label, composite)
     consts = list(invals[:num_consts])
     args = list(invals[num_consts:])
     marks = list(ctx.marks)
@@ -354,13 +361,6 @@ def _shard_map_rule(
     check_vma: bool,
     **params: Any,
 ):
-    if ctx.walk.dual:
-        return run_whole_dual(
-            ctx,
-            invals,
-            _shard_map_rule,
-            "shard_map: compared as a whole (its collectives need the mesh)",
-        )
     axis_names = params.get("newly_manual_axes", params.get("manual_axes"))
     sub = ctx.walk.body("shard_map")
 

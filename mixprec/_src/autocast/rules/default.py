@@ -14,45 +14,33 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from mixprec._src import _compat
 from mixprec._src.autocast import interpreter as itp, ops
-from mixprec._src.autocast.interpreter import CastContext, Dual, Walk
+from mixprec._src.autocast.avals import float_dtype
+from mixprec._src.autocast.interpreter import CastContext, Walk
 
 
 __all__ = [
+    "bind_eqn",
     "cast_all",
     "default_higher_order_rule",
     "hoist_consts",
-    "run_whole_dual",
     "transform_jaxpr",
 ]
 
 
 def aval_of(x: Any) -> Any:
-    """The abstract value of a value (``Dual``: of its autocast part)."""
-    return _compat.get_aval(x.mix if isinstance(x, Dual) else x)
+    """The abstract value of a value."""
+    return _compat.get_aval(x)
 
 
 def cast_all(vals: Sequence[Any], dtypes: Sequence[Any]) -> list[Any]:
-    """Casts each floating value to its dtype (``None``: left alone); ``Dual``
-    values have their autocast part cast."""
-    out = []
-    for x, d in zip(vals, dtypes, strict=True):
-        if d is None:
-            out.append(x)
-        elif isinstance(x, Dual):
-            out.append(Dual(x.ref, itp.cast(x.mix, d)))
-        else:
-            out.append(itp.cast(x, d))
-    return out
-
-
-def float_dtype(x: Any) -> np.dtype | None:
-    """The floating dtype of a value or aval (``Dual``: its autocast part)."""
-    return itp._float_dtype(x.mix if isinstance(x, Dual) else x)
+    """Casts each floating value to its dtype (``None``: left alone)."""
+    return [
+        x if d is None else itp.cast(x, d) for x, d in zip(vals, dtypes, strict=True)
+    ]
 
 
 def transform_jaxpr(
@@ -138,43 +126,14 @@ def _type_preserving(walk: Walk, label: str) -> Callable[[Any], Any]:
     return fn
 
 
-def _bind_eqn(eqn: Any, invals: Sequence[Any], params: dict[str, Any]) -> list[Any]:
+def bind_eqn(eqn: Any, invals: Sequence[Any], params: dict[str, Any]) -> list[Any]:
+    """Binds ``eqn``'s primitive again on ``invals`` with ``params``."""
     bind_params = eqn.primitive.get_bind_params(params)
     subfuns: Sequence[Any] = ()
     if isinstance(bind_params, tuple):  # older JAX: (subfuns, params)
         subfuns, bind_params = bind_params
     out = eqn.primitive.bind(*subfuns, *invals, **bind_params)
     return list(out) if eqn.primitive.multiple_results else [out]
-
-
-def run_whole_dual(
-    ctx: CastContext, invals: Sequence[Any], staged: Callable[..., Any], note: str
-) -> Any:
-    """Runs a higher-order equation of a dual walk as a whole: the reference as
-    written, the autocast value with ``staged`` (the rule on plain values)."""
-    eqn = ctx.eqn
-    ref_in = [x.ref if isinstance(x, Dual) else x for x in invals]
-    mix_in = [x.mix if isinstance(x, Dual) else x for x in invals]
-    plain = CastContext(
-        ctx.config, eqn, ctx.decision, ctx.walk.staged(), ctx.marks, ctx.out_marks
-    )
-    mix_out = staged(plain, *mix_in, **eqn.params)
-    mix_out = list(mix_out) if eqn.primitive.multiple_results else [mix_out]
-    ref_out = itp.bind_as_written(eqn, ref_in)
-    outs = [Dual(r, m) for r, m in zip(ref_out, mix_out, strict=True)]
-    observer = ctx.walk.observer
-    if observer is not None:
-        observer.on_note(ctx.walk, eqn, note)
-        duals = [Dual(r, m) for r, m in zip(ref_in, mix_in, strict=True)]
-        observer.on_eqn(
-            ctx.walk,
-            eqn,
-            ctx.decision,
-            itp.ran_with(ctx.decision, eqn, mix_in),
-            duals,
-            outs,
-        )
-    return outs if eqn.primitive.multiple_results else outs[0]
 
 
 def default_higher_order_rule(ctx: CastContext, *invals: Any, **params: Any) -> Any:
@@ -186,13 +145,6 @@ def default_higher_order_rule(ctx: CastContext, *invals: Any, **params: Any) -> 
     would need constants, the equation runs as written.
     """
     eqn = ctx.eqn
-    if ctx.walk.dual:
-        return run_whole_dual(
-            ctx,
-            invals,
-            default_higher_order_rule,
-            f"{eqn.primitive.name}: compared as a whole, not op by op",
-        )
     args = [
         itp.cast(x, itp.aval_dtype(v)) if float_dtype(x) is not None else x
         for x, v in zip(invals, eqn.invars, strict=True)
@@ -202,7 +154,7 @@ def default_higher_order_rule(ctx: CastContext, *invals: Any, **params: Any) -> 
         new_params = {k: _map_jaxprs(v, fn) for k, v in params.items()}
     except _KeepAsWritten:
         new_params = dict(params)
-    outs = _bind_eqn(eqn, args, new_params)
+    outs = bind_eqn(eqn, args, new_params)
     return outs if eqn.primitive.multiple_results else outs[0]
 
 

@@ -19,8 +19,9 @@ from jax import lax
 from jax.extend.core import primitives as P
 
 from mixprec._src.autocast import dots, float8_dots, interpreter as itp, ops
-from mixprec._src.autocast.decide import Precision
-from mixprec._src.autocast.interpreter import CONST, CastContext
+from mixprec._src.autocast.avals import float_dtype
+from mixprec._src.autocast.decide import CONST, Precision
+from mixprec._src.autocast.interpreter import CastContext
 
 
 __all__: list[str] = []
@@ -35,8 +36,8 @@ def _low_dtype(ctx: CastContext, lhs: Any, rhs: Any) -> np.dtype | None:
     if (
         d.precision is not Precision.LOW
         or d.dtype is None
-        or itp._float_dtype(lhs) is None
-        or itp._float_dtype(rhs) is None
+        or float_dtype(lhs) is None
+        or float_dtype(rhs) is None
         or d.dtype.itemsize > 2
     ):
         return None
@@ -47,7 +48,7 @@ def _saturated(ctx: CastContext, vals: tuple[Any, ...], low: np.dtype) -> list[A
     """Constant operands saturate instead of overflowing when rounded."""
     out = []
     for x, m in zip(vals, ctx.marks, strict=True):
-        dt = itp._float_dtype(x)
+        dt = float_dtype(x)
         if m & CONST and dt is not None and dt.itemsize > low.itemsize:
             x = itp.clip_to_range(x, low)
         out.append(x)
