@@ -8,6 +8,7 @@ import argparse
 import importlib
 import inspect
 import pathlib
+import re
 import sys
 
 
@@ -38,11 +39,44 @@ def _public(module):
     return sorted(names, key=str.lower)
 
 
+# How JAX releases spell the public array type in annotations (0.10:
+# `jax.Array`; 0.11: the class's home module, `jax.jaxlib._jax.Array`).
+_ARRAY = re.compile(r"\b(?:jax\.)?jaxlib\.(?:_jax|xla_extension)\.Array\b")
+
+
+def _unions(text: str) -> str:
+    """``Union[A, B]`` / ``Optional[A]`` written as ``A | B`` / ``A | None``, as
+    Python 3.12 prints them (3.11 prints the ``typing`` spelling)."""
+    for name in ("Optional", "Union"):
+        key = name + "["
+        while (start := text.find(key)) != -1:
+            depth, parts, last = 0, [], start + len(key)
+            i = last
+            while True:
+                ch = text[i]
+                if ch == "[":
+                    depth += 1
+                elif ch == "]" and depth:
+                    depth -= 1
+                elif ch == "," and not depth:
+                    parts.append(text[last:i].strip())
+                    last = i + 1
+                elif ch == "]":
+                    parts.append(text[last:i].strip())
+                    break
+                i += 1
+            if name == "Optional":
+                parts.append("None")
+            text = text[:start] + " | ".join(parts) + text[i + 1 :]
+    return text.replace("NoneType", "None").replace("typing.Any", "Any")
+
+
 def _signature(obj) -> str:
     try:
-        return str(inspect.signature(obj))
+        text = str(inspect.signature(obj))
     except (TypeError, ValueError):
         return ""
+    return _unions(_ARRAY.sub("jax.Array", text))
 
 
 def render() -> str:
