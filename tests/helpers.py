@@ -70,12 +70,32 @@ F16 = jnp.dtype(jnp.float16)
 F32 = jnp.dtype(jnp.float32)
 
 
-def iter_eqns(jaxpr):
-    """Every equation of a (closed) jaxpr, recursing into sub-jaxprs."""
+def platform_branch(eqn, platform):
+    """For a ``cond`` that ``lax.platform_dependent`` emitted, the branch a
+    lowering for ``platform`` keeps (``None`` for other equations)."""
+    platforms = (
+        eqn.params.get("branches_platforms") if eqn.primitive.name == "cond" else None
+    )
+    if platforms is None:
+        return None
+    for branch, names in zip(eqn.params["branches"], platforms, strict=True):
+        if names is None or platform in names:
+            return branch
+    raise AssertionError(f"no branch for {platform} in {platforms}")
+
+
+def iter_eqns(jaxpr, platform="cpu"):
+    """Every equation of a (closed) jaxpr, recursing into sub-jaxprs; of a
+    per-platform formulation (``lax.platform_dependent``), only the branch a
+    lowering for ``platform`` keeps (``None``: every branch)."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     for eqn in jaxpr.eqns:
         yield eqn
+        branch = None if platform is None else platform_branch(eqn, platform)
+        if branch is not None:
+            yield from iter_eqns(branch, platform)
+            continue
         for v in eqn.params.values():
             for sub in v if isinstance(v, tuple | list) else [v]:
                 if hasattr(sub, "eqns") or hasattr(sub, "jaxpr"):
-                    yield from iter_eqns(sub)
+                    yield from iter_eqns(sub, platform)

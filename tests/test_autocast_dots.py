@@ -13,7 +13,7 @@ from jax import lax
 
 from mixprec._src.autocast import dots
 from mixprec._src.cli import timing
-from tests.helpers import assert_tree_dtypes, assert_trees_close
+from tests.helpers import assert_tree_dtypes, assert_trees_close, iter_eqns
 
 
 BF16 = jnp.dtype(jnp.bfloat16)
@@ -424,24 +424,36 @@ def test_explicit_sharding_keeps_jax_formulation():
 # --- other backends' formulation (checked structurally on any backend) -------
 
 
-def test_gpu_formulation_is_low_by_low_to_low():
+@pytest.mark.parametrize("out", [BF16, F32])
+def test_gpu_formulation_runs_16_bit_gemms(out):
+    # The GPU/TPU formulation (pinned here; exported for cuda in the export
+    # tests): bf16 operands in every product. A 16-bit result stays 16-bit;
+    # a float32 result, and the gradient of a float32 operand (a master
+    # weight), leave the GEMM in float32 (accumulated, never rounded).
     lhs, rhs = _inputs((8, 16), (16, 12))
+    lhs16 = lhs.astype(BF16)  # an activation that arrives in 16 bits
     dn = (((1,), (0,)), ((), ()))
 
     def f(a, b):
-        return _dot(a, b, dn, platform="gpu").sum()
+        return _dot(a, b, dn, out=out, platform="gpu").astype(F32).sum()
 
-    jaxpr = jax.make_jaxpr(jax.grad(f, (0, 1)))(lhs, rhs)
-    dot_eqns = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
+    jaxpr = jax.make_jaxpr(jax.grad(f, (0, 1)))(lhs16, rhs)
+    dot_eqns = [e for e in iter_eqns(jaxpr, None) if e.primitive.name == "dot_general"]
     assert len(dot_eqns) == 3
-    for e in dot_eqns:
-        assert all(v.aval.dtype == BF16 for v in e.invars)
-        assert e.outvars[0].aval.dtype == BF16
-    out = _dot(lhs, rhs, dn, platform="gpu")
-    assert out.dtype == F32
-    assert_trees_close(out, lhs @ rhs, dtype=BF16)
+    fwd, *bwd = dot_eqns
+    assert all(v.aval.dtype == BF16 for e in dot_eqns for v in e.invars)
+    assert fwd.outvars[0].aval.dtype == out
+    # d(lhs16) in bf16, d(rhs: float32) in float32
+    assert sorted(str(e.outvars[0].aval.dtype) for e in bwd) == ["bfloat16", "float32"]
+    grads = jax.grad(f, (0, 1))(lhs16, rhs)
+    assert [g.dtype for g in grads] == [BF16, F32]
+    y = _dot(lhs, rhs, dn, out=out, platform="gpu")
+    assert y.dtype == out
+    assert_trees_close(y, lhs @ rhs, dtype=BF16)
     # Forward mode works on this formulation with the flag off.
-    jax.jvp(lambda a: _dot(a, rhs, dn, platform="gpu"), (lhs,), (lhs,))
+    jax.jvp(
+        lambda a: _dot(a, rhs, dn, platform="gpu", forward_mode_ad=True), (lhs,), (lhs,)
+    )
 
 
 # --- convolutions --------------------------------------------------------------

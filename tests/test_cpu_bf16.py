@@ -280,44 +280,69 @@ def test_forward_mode_ad(formulation):
 
 
 @needs_cpu
+@pytest.mark.parametrize("formulation", FORMULATIONS)
 @pytest.mark.parametrize("lhs_dtype", [F32, BF16])
-def test_saved_residuals(lhs_dtype):
-    # An activation arriving in bfloat16 and a float32 weight.
+def test_saved_residuals(lhs_dtype, formulation):
+    # The rule, the same for every formulation and platform (the residuals of
+    # a custom_vjp cannot depend on where it is lowered): an operand that is
+    # alive anyway (an input of the transformed function: a parameter) is
+    # kept as it is; anything else (an activation) in bfloat16.
     lhs, rhs = _inputs((64, 96), (96, 48))
     lhs = lhs.astype(lhs_dtype)
     dn = (((1,), (0,)), ((), ()))
 
-    def saved(formulation):
+    def saved(alive):
         leaves = jax.eval_shape(
             lambda a, b: jax.tree.leaves(
-                jax.vjp(lambda x, y: _dot(x, y, dn, formulation), a, b)[1]
+                jax.vjp(lambda x, y: _dot(x, y, dn, formulation, alive=alive), a, b)[1]
             ),
             lhs,
             rhs,
         )
         return sorted((r.shape, jnp.dtype(r.dtype).name) for r in leaves)
 
-    # Native: bfloat16 copies of both (its backward dots are bfloat16 GEMMs).
-    assert saved("native") == sorted([(lhs.shape, "bfloat16"), (rhs.shape, "bfloat16")])
-    # Emulated: 16-bit operands in bfloat16, float32 ones as they are (a
-    # parameter the caller holds anyway: no copy).
-    assert saved("emulated") == sorted(
-        [(lhs.shape, lhs_dtype.name), (rhs.shape, "float32")]
+    assert saved((False, False)) == sorted(
+        [(lhs.shape, "bfloat16"), (rhs.shape, "bfloat16")]
     )
+    # An activation and a float32 weight that the caller holds: no copy.
+    assert saved((False, True)) == sorted(
+        [(lhs.shape, "bfloat16"), (rhs.shape, "float32")]
+    )
+
+
+def test_autocast_keeps_parameters_by_reference_and_activations_in_16_bits():
+    # Through autocast: the weight is an input (kept as it is), the hidden
+    # activation is computed (kept in bfloat16).
+    w1, w2 = jnp.ones((32, 64)), jnp.ones((64, 16))
+    x = jnp.ones((8, 32))
+
+    def loss(w1, w2, x):
+        return jnp.sum(jnp.tanh(x @ w1) @ w2)
+
+    f = mixprec.autocast(loss, "mixed_bfloat16")
+    leaves = jax.eval_shape(lambda *a: jax.tree.leaves(jax.vjp(f, *a)[1]), w1, w2, x)
+    kinds = {(r.shape, jnp.dtype(r.dtype).name) for r in leaves}
+    assert ((32, 64), "float32") in kinds  # w1, an input: by reference
+    assert ((64, 16), "float32") in kinds  # w2 likewise
+    assert ((8, 64), "bfloat16") in kinds  # tanh(x @ w1): a 16-bit activation
+    assert not any(shape == (64, 16) and d == "bfloat16" for shape, d in kinds)
 
 
 @needs_cpu
-def test_emulated_keeps_only_what_the_needed_cotangents_use():
-    # Only the weight is differentiated (the first layer: x is data): the
-    # weight itself is not kept, as JAX's own dot would not keep it.
+@pytest.mark.parametrize("formulation", FORMULATIONS)
+def test_keeps_only_what_the_needed_cotangents_use(formulation):
+    # Only the weight is differentiated (the first layer: x is data, an input
+    # of the function, so alive anyway): the weight itself is not kept, as
+    # JAX's own dot would not keep it, and x is kept as it is.
     x, w = _inputs((64, 96), (96, 48))
     dn = (((1,), (0,)), ((), ()))
-    kept = jax.eval_shape(
-        lambda w: jax.tree.leaves(jax.vjp(lambda v: _dot(x, v, dn, "emulated"), w)[1]),
-        w,
-    )
+
+    def dot(v):
+        return _dot(x, v, dn, formulation, alive=(True, True))
+
+    kept = jax.eval_shape(lambda w: jax.tree.leaves(jax.vjp(dot, w)[1]), w)
     assert [(r.shape, r.dtype) for r in kept] == [(x.shape, F32)]
-    grad_w = jax.jit(jax.grad(lambda v: jnp.sum(_dot(x, v, dn, "emulated") ** 2)))(w)
+    grad_w = jax.jit(jax.grad(lambda v: jnp.sum(dot(v) ** 2)))(w)
     ref = jax.grad(
         lambda v: jnp.sum(lax.dot_general(x, v, dn, precision="highest") ** 2)
     )(w)

@@ -173,28 +173,77 @@ def test_dot_forward_and_backward_match_numpy(scaling):
         )
 
 
-def test_gpu_formulation_is_the_quantize_dequantize_pattern():
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_gpu_formulation_hands_float8_operands_to_the_dot(scaling):
+    # The GPU formulation (pinned here; exported for cuda in the export
+    # tests): the dot takes the float8 arrays themselves, so that no compiler
+    # pass can fold their rounding away, and XLA's GPU compiler can give it
+    # to cuBLASLt's float8 GEMM. XLA:CPU runs such a dot too (widening the
+    # operands), so its numbers are checked here against NumPy, forward and
+    # backward (e5m2 cotangent).
     a, b = _rng_values(5, (32, 48), 2.0), _rng_values(6, (48, 16), 2.0)
-    f = jax.jit(lambda x, y: _dot(x, y, "tensorwise", platform="gpu"))
-    out = f(a, b)
-    ref = _ref_dot(a, b, "tensorwise")
-    # Dequantized in bfloat16 (the GPU applies the scales inside the GEMM).
+    g = _rng_values(7, (32, 16), 2.0)
+
+    def f(x, y):
+        return _dot(x, y, scaling, platform="gpu")
+
+    out, vjp = jax.vjp(jax.jit(f), jnp.asarray(a), jnp.asarray(b))
+    ref = _ref_dot(a, b, scaling)
     np.testing.assert_allclose(
-        np.asarray(out), ref, rtol=0, atol=2e-2 * np.abs(ref).max()
+        np.asarray(out), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max()
     )
-    jaxpr = jax.make_jaxpr(f)(a, b)
-    producers = {v: e for e in iter_eqns(jaxpr) for v in e.outvars}
-    [dot] = [e for e in iter_eqns(jaxpr) if e.primitive.name == "dot_general"]
-    for operand in dot.invars:  # dot(convert(f8 -> bf16) * scale, ...)
-        mul = producers[operand]
-        assert mul.primitive.name == "mul"
-        kinds = {str(producers[v].params.get("new_dtype")) for v in mul.invars}
-        convert = next(
-            producers[v]
-            for v in mul.invars
-            if producers[v].primitive.name == "convert_element_type"
-        )
-        assert str(convert.invars[0].aval.dtype) == "float8_e4m3fn", kinds
+    jaxpr = jax.make_jaxpr(lambda x, y: jax.vjp(f, x, y)[1](g))(a, b)
+    dots_ = [e for e in iter_eqns(jaxpr, None) if e.primitive.name == "dot_general"]
+    assert len(dots_) == 3  # forward, d_lhs, d_rhs
+    for e in dots_:
+        kinds = {str(v.aval.dtype) for v in e.invars}
+        assert kinds <= {"float8_e4m3fn", "float8_e5m2"}, kinds
+        assert str(e.outvars[0].aval.dtype) == "float32"
+    backward = [{str(v.aval.dtype) for v in e.invars} for e in dots_[1:]]
+    assert all("float8_e5m2" in k for k in backward)
+    d_lhs, d_rhs = vjp(jnp.asarray(g))
+    qg, sg = np_quantize(g, f8.E5M2, (1,) if scaling == "rowwise" else None)
+    if scaling == "tensorwise":
+        qa, sa = np_quantize(a, E4M3)
+        qb, sb = np_quantize(b, E4M3)
+        g64 = qg.astype(np.float64) * sg.astype(np.float64)
+        ref_lhs = g64 @ (qb.astype(np.float64) * sb.astype(np.float64)).T
+        ref_rhs = (qa.astype(np.float64) * sa.astype(np.float64)).T @ g64
+        for got, want in ((d_lhs, ref_lhs), (d_rhs, ref_rhs)):
+            np.testing.assert_allclose(
+                np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max()
+            )
+
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_tiny_products_are_not_flushed(scaling, platform):
+    # The rule: scales are applied so that a result float32 can represent is
+    # never flushed. Each scale is amax/448 = 3.3e-23; their product, 1.1e-45,
+    # is below float32's smallest subnormal, while the true result, 64 x
+    # (1.5e-20)^2 = 1.4e-38, is a normal float32.
+    a = np.full((16, 64), 1.5e-20, np.float32)
+    b = np.full((64, 16), 1.5e-20, np.float32)
+    want = a.astype(np.float64) @ b.astype(np.float64)
+    assert want.min() > np.finfo(np.float32).tiny
+    out = jax.jit(lambda x, y: _dot(x, y, scaling, platform=platform))(a, b)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-2)
+
+
+def test_tiny_convolutions_are_not_flushed():
+    x = np.full((1, 64, 4, 4), 1.5e-20, np.float32)
+    k = np.full((16, 64, 1, 1), 1.5e-20, np.float32)
+    conv_dn = lax.ConvDimensionNumbers((0, 1, 2, 3), (0, 1, 2, 3), (0, 1, 2, 3))
+    y = float8_dots.conv_general_dilated(
+        x, k, recipe=f8.Float8Recipe(min_dim=1), low_dtype=jnp.bfloat16,
+        out_dtype=jnp.float32, platform="cpu", window_strides=(1, 1),
+        padding=((0, 0), (0, 0)), lhs_dilation=(1, 1), rhs_dilation=(1, 1),
+        dimension_numbers=conv_dn, feature_group_count=1, batch_group_count=1,
+        precision=None, preferred_element_type=None,
+    )  # fmt: skip
+    np.testing.assert_allclose(
+        np.asarray(y), np.full(y.shape, 64 * 1.5e-20**2), rtol=1e-2
+    )
 
 
 # ------------------------------------------------------------------ autocast

@@ -43,6 +43,10 @@ _FLAGS = {
     "broadcast, so its gradient is summed in the wider dtype",
     ops.FLOAT8: "float8: under a policy with a float8 recipe (`mixed_float8`) it "
     "runs in float8, scaled (see float8.md)",
+    ops.STATISTIC: "statistic: its result is a statistic of its operand (a sum, a "
+    "max); values computed from statistics anchor gray ops instead of following",
+    ops.EPILOGUE: "epilogue: a bias add right after a matmul runs on the matmul's "
+    "float32 product and is rounded once",
 }
 
 

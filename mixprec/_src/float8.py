@@ -144,6 +144,20 @@ class Float8Recipe:
             return self.scaling
         return f"{self.scaling}:min_dim={self.min_dim}"
 
+    def scale_axes(self, contracting: Sequence[int]) -> tuple[int, ...] | None:
+        """The axes of an operand that one scale covers: ``None`` for a scale
+        per tensor (tensorwise, or a product without contracted axes such as a
+        convolution), the contracted axes for rowwise.
+
+        Examples:
+            >>> rowwise, tensorwise = Float8Recipe("rowwise"), Float8Recipe()
+            >>> rowwise.scale_axes((1,)), tensorwise.scale_axes((1,))
+            ((1,), None)
+        """
+        if self.scaling == "rowwise" and contracting:
+            return tuple(int(a) for a in contracting)
+        return None
+
     @classmethod
     def parse(cls, text: str) -> Float8Recipe:
         """The recipe ``str(recipe)`` wrote: ``"rowwise"``, ``"tensorwise:min_dim=16"``.

@@ -159,7 +159,8 @@ class Source:
 
     def in_marks(self) -> list[int]:
         """The marks of the walk's inputs: the constants, then the arguments."""
-        return [interpreter.CONST] * len(self.consts) + [0] * len(self.in_avals)
+        const = interpreter.CONST | interpreter.INPUT
+        return [const] * len(self.consts) + [interpreter.INPUT] * len(self.in_avals)
 
 
 def trace_source(
@@ -521,6 +522,9 @@ def autocast(
     @ft.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         config = fixed if fixed is not None else _config_for(make, get_global_policy())
+        config = (
+            config.resolved()
+        )  # what the CPU branch needs, if creation could not tell
         ad = _compat.ad_mode()
         if forward_mode_ad is None:
             vjp_dots = ad == "reverse"

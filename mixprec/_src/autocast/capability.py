@@ -113,8 +113,9 @@ def override(formulation: str | None) -> Iterator[None]:
     """Forces the CPU formulation of bfloat16 dots inside the ``with`` block.
 
     An autocast transform takes the formulation when it is created
-    (``mixprec.autocast(...)``) or, with ``policy=None``, when it is called;
-    tests and benchmarks use this to build both formulations in one process.
+    (``mixprec.autocast(...)``; on CPUs whose features do not tell, when it
+    is first called) or, with ``policy=None``, when it is called; tests and
+    benchmarks use this to build both formulations in one process.
     ``None`` restores automatic detection.
 
     Args:
@@ -158,6 +159,26 @@ def cpu_bf16() -> Capability:
         native = _config.cpu_bf16 == "native"
         return Capability(native, "MIXPREC_CPU_BF16", f"set to {_config.cpu_bf16}")
     return _detected()
+
+
+def cpu_bf16_without_probe() -> Capability | None:
+    """:func:`cpu_bf16`, or ``None`` when only the micro-probe (which compiles
+    and runs a GEMM, so it initialises JAX's CPU backend) could tell.
+
+    Examples:
+        >>> with override("native"):
+        ...     cpu_bf16_without_probe().formulation
+        'native'
+    """
+    forced = _override.get()
+    if forced is not None or _config.cpu_bf16 != "auto":
+        return cpu_bf16()
+    with _lock:
+        if _detected_value is not None:
+            return _detected_value
+    return from_features(
+        _compat.cpu_features(), _platform.machine(), _proc_cpuinfo_flags()
+    )
 
 
 _lock = threading.Lock()

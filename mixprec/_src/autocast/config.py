@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -13,6 +12,7 @@ from mixprec._src.autocast import capability
 from mixprec._src.autocast.mixlist import modify_mixlist
 from mixprec._src.autocast.modes import effective_low_dtype, validate_mode
 from mixprec._src.autocast.ops import OpLists, default_op_lists
+from mixprec._src.autocast.platforms import canonical_platform
 from mixprec._src.policy import Policy, get_global_policy, get_policy
 
 
@@ -31,15 +31,19 @@ class CastConfig:
         low_dtype: the dtype allow-list ops run in (the policy's compute dtype,
             or the one the mode forces).
         strict: raise ``NotImplementedError`` for an op in no list.
-        platform: the backend dots and convolutions are formulated for.
-        custom_vjp_dots: formulate low-precision CPU dots with a
-            ``custom_vjp`` whose backward dots are low precision too (for a
-            call under reverse-mode AD; ``jax.jvp`` cannot go through one).
+        platform: ``None`` (default): dots and convolutions are formulated for
+            each platform and JAX keeps the one a computation is lowered for
+            (:mod:`~mixprec._src.autocast.platforms`); or one pinned platform
+            (``"cpu"``, ``"cuda"``, ``"rocm"``, ``"tpu"``).
+        custom_vjp_dots: formulate low-precision dots with a ``custom_vjp``
+            whose backward dots are formulated the same way (for a call under
+            reverse-mode AD; ``jax.jvp`` cannot go through one).
         cpu_bf16: how bfloat16 dots run on CPU: ``"native"`` (bfloat16
-            GEMMs) or ``"emulated"`` (float32 GEMMs on rounded operands), taken
-            from :func:`~mixprec._src.autocast.capability.cpu_bf16` when the
-            configuration is made; ``None`` off the CPU or when the low dtype
-            is not bfloat16.
+            GEMMs) or ``"emulated"`` (float32 GEMMs on rounded operands);
+            ``None`` until :meth:`resolved` reads this CPU's capability
+            (:func:`~mixprec._src.autocast.capability.cpu_bf16`) when the
+            transformed function is called, so that making a configuration
+            initialises no JAX backend.
 
     Examples:
         >>> cfg = make_config("mixed_bfloat16")
@@ -52,7 +56,7 @@ class CastConfig:
     lists: OpLists
     low_dtype: np.dtype
     strict: bool = False
-    platform: str = "cpu"
+    platform: str | None = None
     custom_vjp_dots: bool = False
     cpu_bf16: str | None = None
 
@@ -60,17 +64,33 @@ class CastConfig:
         """This configuration under another policy (and its low dtype)."""
         low = effective_low_dtype(self.mode, policy.compute_dtype)
         return dataclasses.replace(
-            self,
-            policy=policy,
-            low_dtype=low,
-            cpu_bf16=_cpu_bf16(self.platform, low),
-        )
+            self, policy=policy, low_dtype=low, cpu_bf16=None
+        ).resolved()
 
+    def resolved(self, *, probe: bool = True) -> CastConfig:
+        """This configuration with the CPU's bfloat16 formulation filled in
+        (when a CPU lowering would use one): part of what a transformed
+        function is cached under. With ``probe=False`` it is filled in only
+        if no JAX backend is needed to tell (CPU features, an override,
+        ``MIXPREC_CPU_BF16``); otherwise left for the first call.
 
-def _cpu_bf16(platform: str, low_dtype: np.dtype) -> str | None:
-    if platform != "cpu" or np.dtype(low_dtype) != np.dtype(jnp.bfloat16):
-        return None
-    return capability.cpu_bf16().formulation
+        Examples:
+            >>> cfg = make_config("mixed_bfloat16")
+            >>> cfg.resolved().cpu_bf16 in ("native", "emulated")
+            True
+            >>> make_config("mixed_float16").resolved().cpu_bf16 is None
+            True
+        """
+        if (
+            self.cpu_bf16 is not None
+            or self.platform not in (None, "cpu")
+            or np.dtype(self.low_dtype) != np.dtype(jnp.bfloat16)
+        ):
+            return self
+        cap = capability.cpu_bf16() if probe else capability.cpu_bf16_without_probe()
+        if cap is None:
+            return self
+        return dataclasses.replace(self, cpu_bf16=cap.formulation)
 
 
 def make_config(
@@ -93,7 +113,8 @@ def make_config(
         strict: raise for primitives in no list.
         custom_vjp_dots: formulate CPU dots with a ``custom_vjp``.
         lists: start from these lists instead of the defaults.
-        platform: the backend to formulate dots for (default: JAX's default).
+        platform: pin the formulation of one platform (default: each
+            platform's, chosen when the computation is lowered).
 
     Returns:
         The configuration.
@@ -120,14 +141,12 @@ def make_config(
             mixlist if isinstance(mixlist, OpLists) else modify_mixlist(base, mixlist)
         )
     low = effective_low_dtype(mode, pol.compute_dtype)
-    plat = platform or jax.default_backend()
     return CastConfig(
         policy=pol,
         mode=mode,
         lists=base,
         low_dtype=low,
         strict=bool(strict),
-        platform=plat,
+        platform=canonical_platform(platform),
         custom_vjp_dots=bool(custom_vjp_dots),
-        cpu_bf16=_cpu_bf16(plat, low),
-    )
+    ).resolved(probe=False)

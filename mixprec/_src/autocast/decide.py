@@ -60,14 +60,16 @@ other dtype choice autocast makes, so that each is made in one place:
 * :data:`HIGHER_ORDER`: the decision of a higher-order equation (none: its
   body is decided equation by equation).
 
-Per value the interpreter keeps four marks, computed by :func:`out_marks`:
+Per value the interpreter keeps five marks, computed by :func:`out_marks`:
 ``FOLLOWS`` (broadcast into its consumers: a bias, a scale, a scalar),
 ``STAT`` (a statistic: computed from a reduction, like a mean or a variance; it
 is never a follower, even broadcast), ``CONST`` (computed from constants only)
 and ``GRAD`` (a gradient: computed in a backward pass from the loss's
 cotangent). The first two decide which operands anchor a gray op; ``CONST``
 makes casts of constants saturate; ``GRAD`` sends a float8 matmul's gradient
-operand to ``float8_e5m2``.
+operand to ``float8_e5m2``; ``INPUT`` (an input of the transformed function,
+never a result of an equation) lets a matmul keep a float32 operand for its
+backward pass without a copy.
 """
 
 from __future__ import annotations
@@ -94,6 +96,7 @@ __all__ = [
     "FOLLOWS",
     "GRAD",
     "HIGHER_ORDER",
+    "INPUT",
     "STAT",
     "Decision",
     "Precision",
@@ -115,6 +118,10 @@ STAT: Final = 4
 #: The value is a gradient: computed in a backward pass from the cotangent
 #: that starts it (a constant such as the ``1.0`` of ``jax.grad``).
 GRAD: Final = 8
+#: The value is an input of the transformed function (a parameter, the data, a
+#: closed-over constant): alive for the whole call, so a product may keep it
+#: for the backward pass as it is instead of keeping a 16-bit copy.
+INPUT: Final = 16
 
 _F32: Final = np.dtype(np.float32)
 _F16: Final = np.dtype(np.float16)
@@ -222,6 +229,7 @@ def decide(
     float8: f8.Float8Recipe | None = None,
     float8_dims: tuple[tuple[str, int], ...] | None = None,
     float8_align: tuple[tuple[str, int], ...] = (),
+    float8_rowwise: bool = True,
     gradients: tuple[bool, ...] = (),
 ) -> Decision:
     """Decides the precision of one equation (see the module docstring).
@@ -244,6 +252,8 @@ def decide(
             recipe's skip rules.
         float8_align: ``(name, size)`` of the dimensions that must be
             multiples of 16.
+        float8_rowwise: whether a rowwise recipe scales this op rowwise (a
+            matmul) or tensorwise (a convolution).
         gradients: per operand, whether it is a gradient (goes to e5m2).
 
     Returns:
@@ -318,11 +328,11 @@ def decide(
         if float8 is None:
             return lowered(reason, allow_out)
         return _float8_decision(
-            name,
             lowered(reason, allow_out),
             float8,
             float8_dims,
             float8_align,
+            float8_rowwise,
             gradients,
             allow_out,
         )
@@ -372,11 +382,11 @@ def decide(
 
 
 def _float8_decision(
-    name: str,
     base: Decision,
     recipe: f8.Float8Recipe,
     dims: tuple[tuple[str, int], ...] | None,
     align: tuple[tuple[str, int], ...],
+    rowwise: bool,
     gradients: tuple[bool, ...],
     out: np.dtype | None,
 ) -> Decision:
@@ -395,11 +405,7 @@ def _float8_decision(
         f8.E5M2 if i < len(gradients) and gradients[i] else f8.E4M3 for i in range(2)
     )
     names = " x ".join("e5m2 (gradient)" if f == f8.E5M2 else "e4m3" for f in formats)
-    scaling = (
-        "rowwise"
-        if recipe.scaling == "rowwise" and name != "conv_general_dilated"
-        else "tensorwise"
-    )
+    scaling = "rowwise" if recipe.scaling == "rowwise" and rowwise else "tensorwise"
     result = out if out is not None else base.dtype
     return Decision(
         Precision.FLOAT8,
@@ -544,25 +550,16 @@ def _float8_args(
 ) -> dict[str, Any]:
     """The float8 arguments of :func:`decide` for ``eqn`` (none without a recipe,
     or for an op without a float8 formulation)."""
-    from mixprec._src.autocast import float8_dots
-
     recipe = cfg.policy.float8
-    name = eqn.primitive.name
-    if (
-        recipe is None
-        or op_class != "allow"
-        or spec is None
-        or ops.FLOAT8 not in spec.flags
-    ):
+    product = None if spec is None else spec.product
+    if recipe is None or op_class != "allow" or product is None or not product.float8:
         return {}
-    dims = float8_dots.product_dims(
-        name, [aval_shape(v) for v in eqn.invars], out_shape, eqn.params
-    )
-    sizes, align = dims if dims is not None else (None, ())
+    dims = product.dims([aval_shape(v) for v in eqn.invars], out_shape, eqn.params)
     return {
         "float8": recipe,
-        "float8_dims": sizes,
-        "float8_align": align,
+        "float8_dims": dims.sizes,
+        "float8_align": dims.align,
+        "float8_rowwise": product.rowwise,
         "gradients": tuple(bool(m & GRAD) for m in marks),
     }
 

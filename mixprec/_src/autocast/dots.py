@@ -60,10 +60,11 @@ on GPU/TPU it runs ``low x low -> low``. Both use JAX's derivative rules.
 
 from __future__ import annotations
 
+import dataclasses
 import functools as ft
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -73,14 +74,21 @@ from jax.typing import ArrayLike, DTypeLike
 
 from mixprec._src import _compat
 from mixprec._src.autocast import capability
+from mixprec._src.autocast.platforms import canonical_platform, per_platform
 
 
 __all__ = [
+    "ProductDims",
+    "conv_dims",
     "conv_general_dilated",
     "conv_note",
+    "conv_product",
     "dot_general",
+    "dot_general_dims",
+    "dot_general_product",
     "formulation",
     "formulation_note",
+    "wide_dot_general",
 ]
 
 _F32 = np.dtype(np.float32)
@@ -92,14 +100,29 @@ _DimNums = tuple[
 ]
 
 
-def _platform(platform: str | None) -> str:
-    if platform is not None:
-        return platform
-    return jax.default_backend()
+def _constrains(sharding: Any) -> bool:
+    """Whether a sharding says anything: a mesh axis of type ``Explicit``, or a
+    partition spec that shards some dimension.
+
+    JAX's transpose of a ``dot_general`` under a mesh carries
+    ``out_sharding=NamedSharding(<Auto mesh>, P(None, ...))``: that says
+    nothing, and the product must still get the CPU's own formulation.
+    """
+    if sharding is None:
+        return False
+    mesh = getattr(sharding, "mesh", None)
+    if any("Explicit" in str(t) for t in getattr(mesh, "axis_types", ()) or ()):
+        return True
+    spec = getattr(sharding, "spec", None)
+    return spec is not None and any(s is not None for s in spec)
 
 
-def _explicitly_sharded(*xs: jax.Array) -> bool:
-    """Whether any operand carries an explicit sharding (``AxisType.Explicit``)."""
+def explicitly_sharded(out_sharding: Any, *xs: jax.Array) -> bool:
+    """Whether a product must keep JAX's own formulation for its shardings:
+    its ``out_sharding`` or an operand's sharding (``AxisType.Explicit``)
+    constrains something."""
+    if _constrains(out_sharding):
+        return True
     for x in xs:
         try:
             spec = jax.typeof(x).sharding.spec
@@ -225,6 +248,44 @@ def _upcast_contract(
         *(lab for lab in b_labels if lab not in batch and lab not in contract),
     ]
     perm = tuple(res_labels.index(lab) for lab in out_labels)
+    return out if perm == tuple(range(out.ndim)) else lax.transpose(out, perm)
+
+
+def labeled_dot(
+    a: jax.Array,
+    a_labels: Sequence[int],
+    b: jax.Array,
+    b_labels: Sequence[int],
+    out_labels: Sequence[int],
+    precision: Any,
+    preferred: Any,
+    out_sharding: Any = None,
+) -> jax.Array:
+    """``lax.dot_general`` of two labelled operands, result in ``out_labels``
+    order (labels as in :func:`_contract`), with ``preferred_element_type``."""
+    a_labels, b_labels, out_labels = list(a_labels), list(b_labels), list(out_labels)
+    batch = [lab for lab in out_labels if lab in a_labels and lab in b_labels]
+    contract = [lab for lab in a_labels if lab in b_labels and lab not in out_labels]
+    dn = (
+        (
+            tuple(a_labels.index(lab) for lab in contract),
+            tuple(b_labels.index(lab) for lab in contract),
+        ),
+        (
+            tuple(a_labels.index(lab) for lab in batch),
+            tuple(b_labels.index(lab) for lab in batch),
+        ),
+    )
+    kw = {} if out_sharding is None else {"out_sharding": out_sharding}
+    out = lax.dot_general(
+        a, b, dn, precision=precision, preferred_element_type=preferred, **kw
+    )
+    res = [
+        *batch,
+        *(lab for lab in a_labels if lab not in batch and lab not in contract),
+        *(lab for lab in b_labels if lab not in batch and lab not in contract),
+    ]
+    perm = tuple(res.index(lab) for lab in out_labels)
     return out if perm == tuple(range(out.ndim)) else lax.transpose(out, perm)
 
 
@@ -380,46 +441,51 @@ def _canonical_dot_vjp(
     return d_lhs, d_rhs
 
 
-# --- CPU: bf16 x bf16 -> f32 forward and backward ------------------------------
+# --- the products, per platform --------------------------------------------
 
 
-@ft.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
-def _cpu_dot(
-    lhs: jax.Array,
-    rhs: jax.Array,
-    dn: _DimNums,
-    precision: Any,
-    low: np.dtype,
-    out: np.dtype,
-    lhs_dtype: np.dtype,
-    rhs_dtype: np.dtype,
-) -> jax.Array:
-    del lhs_dtype, rhs_dtype
-    lhs_l, rhs_l = lhs.astype(low), rhs.astype(low)
-    return _canonical_dot(lhs_l, rhs_l, dn, precision, _F32, low == _BF16).astype(out)
+class _Plan(NamedTuple):
+    """How one product is computed (static: a custom derivative's
+    non-differentiable argument)."""
+
+    dn: _DimNums
+    precision: Any
+    low: np.dtype
+    cpu: str  # "native", "emulated" or "upcast": the CPU formulation
+    f32_out: bool  # the caller keeps a float32 result: accumulate in float32
 
 
-def _cpu_dot_fwd(lhs, rhs, dn, precision, low, out, lhs_dtype, rhs_dtype):
-    del lhs_dtype, rhs_dtype
-    lhs_l, rhs_l = lhs.astype(low), rhs.astype(low)
-    res = _canonical_dot(lhs_l, rhs_l, dn, precision, _F32, low == _BF16)
-    return res.astype(out), (lhs_l, rhs_l)
-
-
-def _cpu_dot_bwd(dn, precision, low, out, lhs_dtype, rhs_dtype, residuals, g):
-    del out
-    lhs_l, rhs_l = residuals
-    g_l = g.astype(low)
-    d_lhs, d_rhs = _canonical_dot_vjp(
-        g_l, lhs_l, rhs_l, dn, precision, _F32, low == _BF16
+def _cpu_forward(plan: _Plan, lhs_l: jax.Array, rhs_l: jax.Array) -> jax.Array:
+    """The float32 product of rounded operands on CPU."""
+    if plan.cpu == "emulated":
+        return _rounded_f32_dot(lhs_l, rhs_l, plan.dn, plan.precision)
+    return _canonical_dot(
+        lhs_l, rhs_l, plan.dn, plan.precision, _F32, plan.cpu == "native"
     )
-    return d_lhs.astype(lhs_dtype), d_rhs.astype(rhs_dtype)
 
 
-_cpu_dot.defvjp(_cpu_dot_fwd, _cpu_dot_bwd)
+def _accelerator_forward(plan: _Plan, lhs_l: jax.Array, rhs_l: jax.Array) -> jax.Array:
+    """``low x low -> low`` (cuBLAS and the TPU MXU accumulate in float32),
+    widened to float32: the same numbers, for one result type per platform;
+    ``low x low -> float32`` when the caller keeps a float32 result."""
+    out = lax.dot_general(
+        lhs_l,
+        rhs_l,
+        plan.dn,
+        precision=plan.precision,
+        preferred_element_type=_F32 if plan.f32_out else None,
+    )
+    return out.astype(_F32)
 
 
-# --- CPU without native bf16: float32 GEMMs on bf16-rounded operands ----------
+def _forward(plan: _Plan, platform: str | None, lhs: Any, rhs: Any) -> jax.Array:
+    lhs_l, rhs_l = lhs.astype(plan.low), rhs.astype(plan.low)
+    return per_platform(
+        (lhs_l, rhs_l),
+        platform=platform,
+        cpu=ft.partial(_cpu_forward, plan),
+        default=ft.partial(_accelerator_forward, plan),
+    )
 
 
 def _rounded_f32_dot(
@@ -431,75 +497,131 @@ def _rounded_f32_dot(
     )
 
 
+def _saved(x: jax.Array, x_low: jax.Array, alive: bool) -> jax.Array:
+    """What the product keeps of one operand for the backward pass.
+
+    An operand that stays alive for the whole call anyway (``alive``: an
+    input of the transformed function, such as a float32 parameter) is kept
+    as it is: that costs nothing, while a 16-bit copy would be new memory;
+    the backward pass rounds it again where its platform computes in 16 bits.
+    Anything else (an activation) is kept in the low dtype, half of float32's
+    bytes.
+    """
+    return x if alive else x_low
+
+
 # An operand's (ndim, dtype): static, for the cotangent it gets back.
 _Meta = tuple[int, np.dtype]
 
 
-@ft.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
-def _cpu_dot_emulated(
-    lhs: jax.Array,
-    rhs: jax.Array,
-    dn: _DimNums,
-    precision: Any,
-    low: np.dtype,
-    out: np.dtype,
+def _cotangents(
+    plan: _Plan,
+    g: jax.Array,
+    kept_lhs: jax.Array | None,
+    kept_rhs: jax.Array | None,
     lhs_meta: _Meta,
     rhs_meta: _Meta,
+    *,
+    low_inputs: bool,
+    contract: Any,
+) -> tuple[jax.Array | None, jax.Array | None]:
+    """``d_lhs = g . rhs`` and ``d_rhs = g . lhs`` (``None`` where the other
+    operand was not kept: its cotangent is not needed). ``contract(a,
+    a_labels, b, b_labels, out_labels, out_dtype)`` computes one product."""
+    (lhs_ndim, lhs_dtype), (rhs_ndim, rhs_dtype) = lhs_meta, rhs_meta
+    lhs_labels, rhs_labels, out_labels = _dot_labels(lhs_ndim, rhs_ndim, plan.dn)
+    cast = plan.low if low_inputs else _F32
+    g = g.astype(cast)
+    d_lhs = d_rhs = None
+    if kept_rhs is not None:
+        d_lhs = contract(
+            g, out_labels, kept_rhs.astype(cast), rhs_labels, lhs_labels, lhs_dtype
+        ).astype(lhs_dtype)
+    if kept_lhs is not None:
+        d_rhs = contract(
+            g, out_labels, kept_lhs.astype(cast), lhs_labels, rhs_labels, rhs_dtype
+        ).astype(rhs_dtype)
+    return d_lhs, d_rhs
+
+
+def _cpu_backward(plan, lhs_meta, rhs_meta, g, kept_lhs, kept_rhs):
+    # native: bfloat16 x bfloat16 -> float32 GEMMs in the canonical layout.
+    # emulated: plain float32 dots (no canonical layout), the transposes JAX
+    # would emit for a float32 dot; the cotangent and the float32 operands
+    # kept as they are are not rounded: that would cost passes and buy no
+    # speed. float16 (no native kernel): rounded operands, float32
+    # accumulation.
+    native = plan.cpu == "native"
+
+    def contract(a, a_labels, b, b_labels, out_labels, out_dtype):
+        del out_dtype
+        return _contract(
+            a, a_labels, b, b_labels, out_labels, plan.precision, _F32, native
+        )
+
+    return _cotangents(
+        plan, g, kept_lhs, kept_rhs, lhs_meta, rhs_meta,
+        low_inputs=plan.cpu != "emulated", contract=contract,
+    )  # fmt: skip
+
+
+def _accelerator_backward(plan, lhs_meta, rhs_meta, g, kept_lhs, kept_rhs):
+    # 16-bit GEMMs. A cotangent for a float32 operand (a master weight) comes
+    # out of the GEMM in float32 (accumulated there, never rounded to 16
+    # bits); one for a 16-bit operand (an activation) in 16 bits.
+    def contract(a, a_labels, b, b_labels, out_labels, out_dtype):
+        wide = np.dtype(out_dtype).itemsize >= 4
+        return labeled_dot(
+            a, a_labels, b, b_labels, out_labels, plan.precision,
+            _F32 if wide else None,
+        )  # fmt: skip
+
+    return _cotangents(
+        plan, g, kept_lhs, kept_rhs, lhs_meta, rhs_meta,
+        low_inputs=True, contract=contract,
+    )  # fmt: skip
+
+
+@ft.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+def _low_dot(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    plan: _Plan,
+    platform: str | None,
+    lhs_meta: _Meta,
+    rhs_meta: _Meta,
+    alive: tuple[bool, bool],
 ) -> jax.Array:
-    del lhs_meta, rhs_meta
-    return _rounded_f32_dot(lhs.astype(low), rhs.astype(low), dn, precision).astype(out)
+    del lhs_meta, rhs_meta, alive
+    return _forward(plan, platform, lhs, rhs)
 
 
-def _saved(x: jax.Array, x_low: jax.Array) -> jax.Array:
-    """What the emulated dot keeps of one operand for the backward pass.
-
-    A float32 operand is kept as it is: it is usually a parameter, which the
-    caller holds anyway, so keeping it costs nothing, while a bfloat16 copy
-    would be new memory (and one more rounding pass). An operand that arrives
-    in 16 bits (an activation under autocast) is kept in bfloat16.
-    """
-    return x if x.dtype.itemsize > x_low.dtype.itemsize else x_low
-
-
-def _cpu_dot_emulated_fwd(lhs, rhs, dn, precision, low, out, lhs_meta, rhs_meta):
+def _low_dot_fwd(lhs, rhs, plan, platform, lhs_meta, rhs_meta, alive):
     # Symbolic zeros: `lhs` and `rhs` come with `.perturbed`, so an operand is
     # kept only when the other one's cotangent is needed (as JAX does for its
     # own dots: the first layer's weight is not kept for the input's gradient).
     del lhs_meta, rhs_meta
-    lhs_l, rhs_l = lhs.value.astype(low), rhs.value.astype(low)
-    res = _rounded_f32_dot(lhs_l, rhs_l, dn, precision)
-    keep_lhs = _saved(lhs.value, lhs_l) if rhs.perturbed else None
-    keep_rhs = _saved(rhs.value, rhs_l) if lhs.perturbed else None
-    return res.astype(out), (keep_lhs, keep_rhs)
+    lhs_l, rhs_l = lhs.value.astype(plan.low), rhs.value.astype(plan.low)
+    res = _forward(plan, platform, lhs.value, rhs.value)
+    keep_lhs = _saved(lhs.value, lhs_l, alive[0]) if rhs.perturbed else None
+    keep_rhs = _saved(rhs.value, rhs_l, alive[1]) if lhs.perturbed else None
+    return res, (keep_lhs, keep_rhs)
 
 
-def _cpu_dot_emulated_bwd(dn, precision, low, out, lhs_meta, rhs_meta, residuals, g):
-    del low, out
+def _low_dot_bwd(plan, platform, lhs_meta, rhs_meta, alive, residuals, g):
+    del alive
     kept_lhs, kept_rhs = residuals
     if _compat.is_symbolic_zero(g):
         return None, None
-    (lhs_ndim, lhs_dtype), (rhs_ndim, rhs_dtype) = lhs_meta, rhs_meta
-    lhs_labels, rhs_labels, out_labels = _dot_labels(lhs_ndim, rhs_ndim, dn)
-    # Plain float32 dots (no canonical layout): the transposes JAX would emit
-    # for a float32 dot. The cotangent and the float32 operands kept as they
-    # are are not rounded: that would cost passes and buy no speed here.
-    args = (precision, _F32, False)
-    g = g.astype(_F32)
-    d_lhs = d_rhs = None
-    if kept_rhs is not None:
-        rhs_f = kept_rhs.astype(_F32)
-        d_lhs = _contract(g, out_labels, rhs_f, rhs_labels, lhs_labels, *args)
-        d_lhs = d_lhs.astype(lhs_dtype)
-    if kept_lhs is not None:
-        lhs_f = kept_lhs.astype(_F32)
-        d_rhs = _contract(g, out_labels, lhs_f, lhs_labels, rhs_labels, *args)
-        d_rhs = d_rhs.astype(rhs_dtype)
-    return d_lhs, d_rhs
+    return per_platform(
+        (g, kept_lhs, kept_rhs),
+        platform=platform,
+        cpu=ft.partial(_cpu_backward, plan, lhs_meta, rhs_meta),
+        default=ft.partial(_accelerator_backward, plan, lhs_meta, rhs_meta),
+    )
 
 
-_cpu_dot_emulated.defvjp(
-    _cpu_dot_emulated_fwd, _cpu_dot_emulated_bwd, symbolic_zeros=True
-)
+_low_dot.defvjp(_low_dot_fwd, _low_dot_bwd, symbolic_zeros=True)
 
 
 # --- which formulation runs --------------------------------------------------
@@ -516,14 +638,22 @@ def _cpu_choice(cpu_bf16: str | None) -> str:
     return cpu_bf16
 
 
+def _cpu_kind(low: np.dtype, cpu_bf16: str | None) -> str:
+    """The CPU formulation for ``low``: native, emulated (bfloat16) or upcast."""
+    if low != _BF16:
+        return "upcast"
+    return _cpu_choice(cpu_bf16)
+
+
 def formulation(
     low_dtype: DTypeLike, *, platform: str | None = None, cpu_bf16: str | None = None
 ) -> str:
-    """Which formulation :func:`dot_general` uses for ``low_dtype`` dots.
+    """Which formulation :func:`dot_general` uses for ``low_dtype`` dots on
+    ``platform`` (``None``: the CPU's, as a CPU lowering would).
 
     Args:
       low_dtype: the dtype the operands are rounded to.
-      platform: the backend (default: JAX's default backend).
+      platform: ``"cpu"``, ``"gpu"``/``"cuda"``, ``"rocm"``, ``"tpu"``.
       cpu_bf16: ``"native"``, ``"emulated"`` or ``None`` (this CPU's
         capability); only consulted for bfloat16 on CPU.
 
@@ -543,35 +673,16 @@ def formulation(
       >>> formulation(jnp.bfloat16, platform="gpu")
       'accelerator'
     """
-    if _platform(platform) != "cpu":
+    plat = canonical_platform(platform)
+    if plat not in (None, "cpu"):
         return "accelerator"
-    if np.dtype(low_dtype) != _BF16:
-        return "cpu_upcast"
-    return f"cpu_{_cpu_choice(cpu_bf16)}"
+    return f"cpu_{_cpu_kind(np.dtype(low_dtype), cpu_bf16)}"
 
 
-def formulation_note(
-    low_dtype: DTypeLike, *, platform: str | None = None, cpu_bf16: str | None = None
-) -> str:
-    """One sentence for reports: does the backend have native matmuls in
-    ``low_dtype``, and how are the dots computed?
-
-    Examples:
-      >>> import jax.numpy as jnp
-      >>> print(formulation_note(jnp.bfloat16, platform="cpu", cpu_bf16="emulated"))
-      Dots: no native bfloat16 matmul ... on this CPU, where a bfloat16 GEMM ...
-    """
-    kind = formulation(low_dtype, platform=platform, cpu_bf16=cpu_bf16)
-    name = np.dtype(low_dtype).name
-    if kind == "accelerator":
-        return (
-            f"Dots: {_platform(platform)} matmuls in {name} are native: they run "
-            f"{name} x {name} -> {name} (accumulated in float32 by the hardware), "
-            "backward dots too."
-        )
+def _cpu_note(name: str, kind: str, cpu_bf16: str | None) -> str:
     if kind == "cpu_upcast":
         return (
-            f"Dots: XLA:CPU has no native {name} matmul: dots take {name}-rounded "
+            f"XLA:CPU has no native {name} matmul: dots take {name}-rounded "
             f"operands and accumulate in float32, so {name} gives {name} numerics "
             "and saves memory on a CPU, but no speed-up (use bfloat16 for speed)."
         )
@@ -580,16 +691,54 @@ def formulation_note(
         cap = capability.Capability(cpu_bf16 == "native", "argument", cpu_bf16)
     if kind == "cpu_native":
         return (
-            f"Dots: {cap.describe()} on this CPU: dots run as bfloat16 x bfloat16 "
+            f"{cap.describe()} on this CPU: dots run as bfloat16 x bfloat16 "
             "-> float32 GEMMs, backward dots too (MIXPREC_CPU_BF16=emulated "
             "forces float32 GEMMs)."
         )
     return (
-        f"Dots: {cap.describe()} on this CPU, where a bfloat16 GEMM is slower "
+        f"{cap.describe()} on this CPU, where a bfloat16 GEMM is slower "
         "than a float32 one: dots run as float32 GEMMs on bfloat16-rounded "
         "operands and keep bfloat16 activations for the backward pass, i.e. "
         "bfloat16 numerics and memory at about float32's speed, no speed-up "
         "(MIXPREC_CPU_BF16=native forces bfloat16 GEMMs)."
+    )
+
+
+def _accelerator_note(name: str, platform: str) -> str:
+    return (
+        f"{platform} matmuls in {name} are native: they run {name} x {name} -> "
+        f"{name} (accumulated in float32 by the hardware), backward dots too; "
+        "the gradient of a float32 weight leaves its GEMM in float32."
+    )
+
+
+def formulation_note(
+    low_dtype: DTypeLike, *, platform: str | None = None, cpu_bf16: str | None = None
+) -> str:
+    """One sentence for reports: does the backend have native matmuls in
+    ``low_dtype``, and how are the dots computed? With ``platform=None``
+    (each platform's formulation, chosen at lowering) it says both.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> print(formulation_note(jnp.bfloat16, platform="cpu", cpu_bf16="emulated"))
+      Dots: no native bfloat16 matmul ... on this CPU, where a bfloat16 GEMM ...
+      >>> print(formulation_note(jnp.bfloat16, platform="cuda"))
+      Dots: cuda matmuls in bfloat16 are native: ...
+    """
+    name = np.dtype(low_dtype).name
+    plat = canonical_platform(platform)
+    if plat is not None and plat != "cpu":
+        return "Dots: " + _accelerator_note(name, plat)
+    kind = formulation(low_dtype, platform="cpu", cpu_bf16=cpu_bf16)
+    cpu = _cpu_note(name, kind, cpu_bf16)
+    if plat == "cpu":
+        return "Dots: " + cpu
+    return (
+        "Dots: formulated per platform when the computation is lowered. On CPU, "
+        + cpu
+        + " On GPU and TPU, "
+        + _accelerator_note(name, "GPU/TPU")
     )
 
 
@@ -606,14 +755,18 @@ def dot_general(
     out_sharding: Any = None,
     platform: str | None = None,
     cpu_bf16: str | None = None,
+    alive: tuple[bool, bool] = (False, False),
 ) -> jax.Array:
     """A ``lax.dot_general`` with inputs rounded to ``low_dtype``, in ``out_dtype``.
 
-    The backend decides how the product runs (see the module docstring): on a
-    CPU with native bfloat16 matmuls ``low x low -> float32`` with
-    low-precision backward dots through a ``custom_vjp``; on a CPU without,
-    float32 GEMMs on operands rounded to bfloat16, keeping 16-bit activations
-    in bfloat16 for the backward pass; on GPU/TPU ``low x low -> low``.
+    The platform the computation is lowered for decides how the product runs
+    (see the module docstring; :mod:`~mixprec._src.autocast.platforms`): on a
+    CPU with native bfloat16 matmuls ``low x low -> float32`` in one canonical
+    layout; on a CPU without, float32 GEMMs on operands rounded to bfloat16;
+    on GPU/TPU ``low x low -> low``. Under reverse-mode AD the product is a
+    ``custom_vjp`` whose backward products are formulated the same way (16-bit
+    GEMMs where those are fast); it keeps each operand for them in the low
+    dtype, or as it is when it stays ``alive`` anyway (a parameter).
     Gradients with respect to ``lhs`` and ``rhs`` come back in their own
     dtypes.
 
@@ -623,20 +776,23 @@ def dot_general(
       dimension_numbers: as for ``jax.lax.dot_general``.
       precision: as for ``jax.lax.dot_general``.
       preferred_element_type: the original equation's parameter. It is not
-        used: ``out_dtype`` decides the result dtype, and the product itself
-        is float32 on CPU and ``low_dtype`` (accumulated in float32 by the
-        hardware) on GPU/TPU.
+        used: ``out_dtype`` decides the result dtype.
       low_dtype: the dtype the operands are rounded to (``bfloat16`` or
         ``float16``).
       out_dtype: the dtype of the result.
       forward_mode_ad: if True, do not use a ``custom_vjp``, so that the result
         can be differentiated in forward mode (``jax.jvp``, ``jax.jacfwd``).
-      out_sharding: passed through to ``jax.lax.dot_general`` when not None.
-      platform: the backend to formulate for (``"cpu"``, ``"gpu"``, ``"tpu"``);
-        defaults to ``jax.default_backend()``.
+      out_sharding: passed through to ``jax.lax.dot_general`` when it
+        constrains the result's sharding.
+      platform: pin the formulation of one platform (``"cpu"``, ``"gpu"``/
+        ``"cuda"``, ``"rocm"``, ``"tpu"``); ``None`` (default): each
+        platform's, chosen when the computation is lowered.
       cpu_bf16: for bfloat16 on CPU: ``"native"`` (bfloat16 GEMMs) or
         ``"emulated"`` (float32 GEMMs on rounded operands); ``None``: what this
         CPU has (:func:`mixprec._src.autocast.capability.cpu_bf16`).
+      alive: per operand, whether it stays alive for the whole call anyway
+        (an input of the transformed function), so that the backward pass
+        keeps it as it is rather than in a 16-bit copy.
 
     Returns:
       The product, with dtype ``out_dtype``.
@@ -651,6 +807,50 @@ def dot_general(
       (dtype('float32'), (2, 4), 3.0)
     """
     del preferred_element_type
+    return wide_dot_general(
+        lhs,
+        rhs,
+        dimension_numbers=dimension_numbers,
+        precision=precision,
+        low_dtype=low_dtype,
+        out_dtype=out_dtype,
+        forward_mode_ad=forward_mode_ad,
+        out_sharding=out_sharding,
+        platform=platform,
+        cpu_bf16=cpu_bf16,
+        alive=alive,
+    ).astype(out_dtype)
+
+
+def wide_dot_general(
+    lhs: ArrayLike,
+    rhs: ArrayLike,
+    *,
+    dimension_numbers: Any,
+    precision: Any = None,
+    low_dtype: DTypeLike,
+    out_dtype: DTypeLike,
+    forward_mode_ad: bool = False,
+    out_sharding: Any = None,
+    platform: str | None = None,
+    cpu_bf16: str | None = None,
+    alive: tuple[bool, bool] = (False, False),
+) -> jax.Array:
+    """:func:`dot_general` before its result is rounded to ``out_dtype``.
+
+    The product in float32: on CPU the float32 accumulator (which a bias add
+    can use before rounding once, as a GEMM epilogue does); on GPU/TPU the
+    16-bit GEMM result, widened (exact). ``out_dtype`` says what the caller
+    rounds it to: a float32 result is accumulated in float32 on every
+    platform.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> x = jnp.full((2, 3), 1 / 3); w = jnp.ones((3, 4))
+      >>> wide_dot_general(x, w, dimension_numbers=(((1,), (0,)), ((), ())),
+      ...                  low_dtype=jnp.bfloat16, out_dtype=jnp.bfloat16).dtype
+      dtype('float32')
+    """
     lhs = jnp.asarray(lhs)
     rhs = jnp.asarray(rhs)
     low, out = _check_dtypes("dot_general", low_dtype, out_dtype)
@@ -660,46 +860,53 @@ def dot_general(
             "`dot_general(lhs, rhs, ...)` expects floating operands, got "
             f"{lhs.dtype} and {rhs.dtype}."
         )
-    plat = _platform(platform)
-    emulated = formulation(low, platform=plat, cpu_bf16=cpu_bf16) == "cpu_emulated"
-    if out_sharding is not None or _explicitly_sharded(lhs, rhs):
+    plat = canonical_platform(platform)
+    kind = _cpu_kind(low, cpu_bf16)
+    plan = _Plan(dn, precision, low, kind, out == _F32)
+    if explicitly_sharded(out_sharding, lhs, rhs):
         # Explicit sharding: the reshapes of the canonical layout and the
         # custom backward would need output shardings of their own, so keep
         # JAX's formulation (and its sharding-aware transpose rules).
-        lhs_l, rhs_l = lhs.astype(low), rhs.astype(low)
-        if emulated:
-            lhs_l, rhs_l = lhs_l.astype(_F32), rhs_l.astype(_F32)
-        res = lax.dot_general(
-            lhs_l,
-            rhs_l,
-            dn,
-            precision=precision,
-            preferred_element_type=_F32,
-            out_sharding=out_sharding,
-        )
-        return res.astype(out)
-    if plat != "cpu":
-        res = lax.dot_general(lhs.astype(low), rhs.astype(low), dn, precision=precision)
-        return res.astype(out)
-    if emulated:
-        if forward_mode_ad:
-            res = _rounded_f32_dot(lhs.astype(low), rhs.astype(low), dn, precision)
-            return res.astype(out)
-        return _cpu_dot_emulated(
-            lhs,
-            rhs,
-            dn,
-            precision,
-            low,
-            out,
-            (lhs.ndim, lhs.dtype),
-            (rhs.ndim, rhs.dtype),
+        return per_platform(
+            (lhs, rhs),
+            platform=plat,
+            cpu=ft.partial(_explicit_cpu, plan, out_sharding),
+            default=ft.partial(_explicit_accelerator, plan, out, out_sharding),
         )
     if forward_mode_ad:
-        lhs_l, rhs_l = lhs.astype(low), rhs.astype(low)
-        res = _canonical_dot(lhs_l, rhs_l, dn, precision, _F32, low == _BF16)
-        return res.astype(out)
-    return _cpu_dot(lhs, rhs, dn, precision, low, out, lhs.dtype, rhs.dtype)
+        return _forward(plan, plat, lhs, rhs)
+    lhs_meta, rhs_meta = (lhs.ndim, lhs.dtype), (rhs.ndim, rhs.dtype)
+    keep = (bool(alive[0]), bool(alive[1]))
+    return _low_dot(lhs, rhs, plan, plat, lhs_meta, rhs_meta, keep)
+
+
+def _explicit_cpu(plan: _Plan, out_sharding: Any, lhs: Any, rhs: Any) -> jax.Array:
+    lhs_l, rhs_l = lhs.astype(plan.low), rhs.astype(plan.low)
+    if plan.cpu == "emulated":
+        lhs_l, rhs_l = lhs_l.astype(_F32), rhs_l.astype(_F32)
+    return lax.dot_general(
+        lhs_l,
+        rhs_l,
+        plan.dn,
+        precision=plan.precision,
+        preferred_element_type=_F32,
+        out_sharding=out_sharding if _constrains(out_sharding) else None,
+    )
+
+
+def _explicit_accelerator(
+    plan: _Plan, out: np.dtype, out_sharding: Any, lhs: Any, rhs: Any
+) -> jax.Array:
+    del out
+    res = lax.dot_general(
+        lhs.astype(plan.low),
+        rhs.astype(plan.low),
+        plan.dn,
+        precision=plan.precision,
+        preferred_element_type=_F32 if plan.f32_out else None,
+        out_sharding=out_sharding if _constrains(out_sharding) else None,
+    )
+    return res.astype(_F32)
 
 
 def conv_note(low_dtype: DTypeLike, *, platform: str | None = None) -> str:
@@ -711,13 +918,16 @@ def conv_note(low_dtype: DTypeLike, *, platform: str | None = None) -> str:
       Convolutions: XLA:CPU has no bfloat16 convolution kernel: ...
     """
     name = np.dtype(low_dtype).name
-    if _platform(platform) != "cpu":
-        return f"Convolutions: {name} x {name} -> {name}, native on this backend."
-    return (
-        f"Convolutions: XLA:CPU has no {name} convolution kernel: convolutions "
-        f"take {name}-rounded operands and accumulate in float32 ({name} "
-        "numerics, float32 speed)."
+    plat = canonical_platform(platform)
+    accel = f"{name} x {name} -> {name}, native on GPUs and TPUs."
+    cpu = (
+        f"XLA:CPU has no {name} convolution kernel: convolutions take "
+        f"{name}-rounded operands and accumulate in float32 ({name} numerics, "
+        "float32 speed)."
     )
+    if plat is None:
+        return f"Convolutions, per platform: on CPU, {cpu} Elsewhere, {accel}"
+    return "Convolutions: " + (cpu if plat == "cpu" else accel)
 
 
 def conv_general_dilated(
@@ -746,8 +956,8 @@ def conv_general_dilated(
       out_dtype: the dtype of the result.
       forward_mode_ad: accepted for symmetry with :func:`dot_general`; the
         convolution uses JAX's own derivative rules, which support both modes.
-      platform: the backend to formulate for; defaults to
-        ``jax.default_backend()``.
+      platform: pin one platform's formulation; ``None`` (default): each
+        platform's, chosen when the computation is lowered.
       **conv_params: the ``conv_general_dilated_p`` parameters.
 
     Returns:
@@ -780,7 +990,158 @@ def conv_general_dilated(
         )
     params = dict(conv_params)
     params.setdefault("out_sharding", None)
-    plat = _platform(platform)
-    params["preferred_element_type"] = _F32 if plat == "cpu" else None
-    res = lax.conv_general_dilated_p.bind(lhs.astype(low), rhs.astype(low), **params)
-    return res.astype(out)
+
+    def conv(preferred: Any, a: jax.Array, b: jax.Array) -> jax.Array:
+        res = lax.conv_general_dilated_p.bind(
+            a, b, **{**params, "preferred_element_type": preferred}
+        )
+        return res.astype(out)
+
+    return per_platform(
+        (lhs.astype(low), rhs.astype(low)),
+        platform=platform,
+        cpu=ft.partial(conv, _F32),
+        default=ft.partial(conv, None),
+    )
+
+
+# --- the products as the op table sees them ------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ProductDims:
+    """The sizes of one matmul-like product (symbolic sizes count as 0).
+
+    Attributes:
+        sizes: the dimensions a float8 recipe's size rule looks at
+            (``M``, ``N``, ``K`` per batch element of a matmul).
+        align: the dimensions tensor cores want in multiples of 8 (16-bit)
+            or 16 (8-bit).
+        flops: floating-point operations of the product.
+        contracting: per operand, its contracted axes (a rowwise float8
+            scale is taken over them).
+        report: the dimensions a report shows.
+    """
+
+    sizes: tuple[tuple[str, int], ...]
+    align: tuple[tuple[str, int], ...]
+    flops: int
+    contracting: tuple[tuple[int, ...], tuple[int, ...]]
+    report: tuple[tuple[str, int], ...]
+
+
+def _static_size(shape: Sequence[Any]) -> int:
+    """The product of ``shape``, or 0 if a dimension is symbolic."""
+    n = 1
+    for d in shape:
+        if not isinstance(d, int | np.integer):
+            return 0
+        n *= int(d)
+    return n
+
+
+def dot_general_dims(
+    in_shapes: Sequence[Sequence[Any]], out_shape: Sequence[Any], params: Any
+) -> ProductDims:
+    """:class:`ProductDims` of a ``dot_general`` equation.
+
+    Examples:
+        >>> d = dot_general_dims([(8, 784), (784, 10)], (8, 10),
+        ...                      {"dimension_numbers": (((1,), (0,)), ((), ()))})
+        >>> d.sizes, d.flops
+        ((('M', 8), ('N', 10), ('K', 784)), 125440)
+    """
+    (lc, rc), (lb, rb) = params["dimension_numbers"]
+    lhs, rhs = in_shapes
+    k = _static_size([lhs[i] for i in lc])
+    m = _static_size([d for i, d in enumerate(lhs) if i not in set(lc) | set(lb)])
+    n = _static_size([d for i, d in enumerate(rhs) if i not in set(rc) | set(rb)])
+    batch = _static_size([lhs[i] for i in lb])
+    dims = (("M", m), ("N", n), ("K", k))
+    return ProductDims(
+        sizes=dims,
+        align=dims,
+        flops=2 * _static_size(out_shape) * k,
+        contracting=(tuple(int(i) for i in lc), tuple(int(i) for i in rc)),
+        report=(*dims, ("batch", batch)),
+    )
+
+
+def conv_dims(
+    in_shapes: Sequence[Sequence[Any]], out_shape: Sequence[Any], params: Any
+) -> ProductDims:
+    """:class:`ProductDims` of a ``conv_general_dilated`` equation: output
+    positions ``M``, ``C_out`` and ``K = C_in x window`` for the size rule,
+    ``C_in`` and ``C_out`` (per group) for alignment.
+
+    Examples:
+        >>> from jax import lax
+        >>> dn = lax.ConvDimensionNumbers((0, 1, 2, 3), (0, 1, 2, 3), (0, 1, 2, 3))
+        >>> conv_dims([(2, 16, 8, 8), (32, 16, 3, 3)], (2, 32, 8, 8),
+        ...           {"dimension_numbers": dn}).align
+        (('C_in', 16), ('C_out', 32))
+    """
+    dn = params["dimension_numbers"]
+    rhs = in_shapes[1]
+    rhs_spec, out_spec = tuple(dn.rhs_spec), tuple(dn.out_spec)
+    c_out = _static_size([rhs[rhs_spec[0]]])
+    c_in = _static_size([rhs[rhs_spec[1]]])  # already C_in / groups
+    window = _static_size([rhs[i] for i in rhs_spec[2:]])
+    m = _static_size([out_shape[out_spec[0]], *(out_shape[i] for i in out_spec[2:])])
+    return ProductDims(
+        sizes=(("M", m), ("C_out", c_out), ("K", c_in * window)),
+        align=(("C_in", c_in), ("C_out", c_out)),
+        flops=2 * _static_size(out_shape) * c_in * window,
+        contracting=((), ()),
+        report=(("C_in", c_in), ("C_out", c_out), ("window", window)),
+    )
+
+
+def dot_general_product(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    params: dict[str, Any],
+    *,
+    low_dtype: np.dtype,
+    out_dtype: np.dtype,
+    custom_vjp: bool,
+    platform: str | None,
+    cpu_bf16: str | None,
+    alive: tuple[bool, bool],
+) -> jax.Array:
+    """A ``dot_general`` equation (``params``) run in 16 bits: the float32
+    product of :func:`wide_dot_general`."""
+    return wide_dot_general(
+        lhs,
+        rhs,
+        dimension_numbers=params["dimension_numbers"],
+        precision=params.get("precision"),
+        low_dtype=low_dtype,
+        out_dtype=out_dtype,
+        forward_mode_ad=not custom_vjp,
+        out_sharding=params.get("out_sharding"),
+        platform=platform,
+        cpu_bf16=cpu_bf16,
+        alive=alive,
+    )
+
+
+def conv_product(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    params: dict[str, Any],
+    *,
+    low_dtype: np.dtype,
+    out_dtype: np.dtype,
+    custom_vjp: bool,
+    platform: str | None,
+    cpu_bf16: str | None,
+    alive: tuple[bool, bool],
+) -> jax.Array:
+    """A ``conv_general_dilated`` equation (``params``) run in 16 bits, in
+    float32: accumulated in float32 on CPU, the 16-bit result widened elsewhere
+    (JAX's own derivative rules, in both modes)."""
+    del out_dtype, custom_vjp, cpu_bf16, alive
+    return conv_general_dilated(
+        lhs, rhs, low_dtype=low_dtype, out_dtype=_F32, platform=platform, **params
+    )

@@ -1,29 +1,34 @@
-"""Float8 matmuls and convolutions, formulated per backend.
+"""Float8 matmuls and convolutions, formulated per platform.
 
 The autocast rules run a ``dot_general`` or ``conv_general_dilated`` decided
 ``float8`` (:mod:`~mixprec._src.autocast.decide`) through :func:`dot_general`
 and :func:`conv_general_dilated`. Each operand is scaled into its float8 format
 with saturation (:func:`mixprec._src.float8.quantize`: e4m3 forward, e5m2 for
-a gradient), and the product of the float8 values is accumulated in float32 and
-multiplied by the two scales. How that product is written depends on the
-backend, as for the 16-bit dots of :mod:`~mixprec._src.autocast.dots`; both
-give the same numbers:
+a gradient), the float8 values are multiplied with float32 accumulation, and
+the float32 product is multiplied by the scales: a scalar per operand
+(tensorwise), or the lhs row scales and the rhs column scales (rowwise: they
+factor out of the contraction). The two scales are applied one after the
+other, so a product whose scales multiply below float32's range (tiny
+tensors) is not flushed to zero.
 
-* **GPU, tensorwise**: the quantize-dequantize pattern of the JAX FP8 guide and
-  Flax's ``fp8_ops``: each float8 operand is converted back to the low dtype
-  and multiplied by its scale, and the dot takes the dequantized operands.
-  XLA's GPU compiler rewrites convert-multiply-dot into a cuBLASLt float8 GEMM
-  that applies both scales in float32 (Hopper and newer; elsewhere the dot
-  runs in the low dtype on the dequantized values).
-* **CPU, and rowwise**: the float8 values are converted to bfloat16 (exact:
-  every e4m3 and e5m2 value is a bfloat16 value) and multiplied with float32
-  accumulation (on CPU in the canonical ``bf16 x bf16 -> f32`` layout of
-  ``dots``), and the float32 product is multiplied by the scales: a scalar
-  (tensorwise), or the outer product of the lhs row scales and the rhs column
-  scales (rowwise: they factor out of the contraction). This is what a float8
-  GEMM computes, so CPU runs are a faithful emulation. A rowwise dot on a GPU
-  is written the same way (float8 operands with unit scale into the dot, the
-  scales after it); the row scales are not a pattern XLA folds into the GEMM.
+How the float8 values are multiplied is chosen per platform when the
+computation is lowered (:mod:`~mixprec._src.autocast.platforms`):
+
+* **GPU (and any platform but the CPU)**: the float8 arrays go straight into
+  ``lax.dot_general`` (``preferred_element_type=float32``). XLA's GPU
+  compiler hands that to cuBLASLt's float8 GEMM (``__cublas$lt$matmul$f8`` in
+  the optimized HLO; Hopper, Ada and newer, e4m3 x e4m3, e4m3 x e5m2 and
+  e5m2 x e4m3). The float8 values reach the GEMM as float8 arrays, so no
+  compiler pass can fold their rounding away: the quantize-dequantize pattern
+  (convert to float8, convert back, multiply) is simplified to a single
+  convert by XLA's GPU pipeline and then runs as a bfloat16 GEMM, which is why
+  it is not used. Where a platform has no float8 GEMM, XLA widens the float8
+  operands itself: the numbers stay exact, only the speed differs.
+* **CPU**: XLA:CPU has no float8 GEMM. The float8 values are converted to
+  bfloat16 (exact: every e4m3 and e5m2 value is a bfloat16 value) and
+  multiplied with float32 accumulation, in the canonical ``bf16 x bf16 ->
+  f32`` layout of :mod:`~mixprec._src.autocast.dots`: the numbers of a float8
+  GEMM, so CPU runs are a faithful emulation.
 
 Gradients. Under reverse-mode AD (``custom_vjp=True``) the product is a
 ``jax.custom_vjp``: the cotangent is quantized to e5m2 and the two backward
@@ -37,9 +42,11 @@ tangent products in the low dtype. Explicitly sharded operands take the second
 form too (JAX's own transposes keep the shardings): their backward products are
 16-bit under ``jax.grad``.
 
-Convolutions are scaled tensorwise under every recipe; their backward products
-are the transposes JAX derives for the convolution, applied to the float8
-values.
+Convolutions are scaled tensorwise under every recipe and run in float8 on
+CPU only (emulated as above). XLA's GPU compiler has no float8 convolution
+that mixprec relies on, so on every other platform a convolution of a float8
+policy runs in the low dtype (``explain`` says so); its residuals are the
+operands in the low dtype on every platform.
 """
 
 from __future__ import annotations
@@ -56,62 +63,13 @@ from jax.typing import ArrayLike, DTypeLike
 
 from mixprec._src import float8 as f8
 from mixprec._src.autocast import dots
+from mixprec._src.autocast.platforms import canonical_platform, per_platform
 
 
-__all__ = ["conv_general_dilated", "dot_general", "product_dims"]
+__all__ = ["conv_general_dilated", "conv_product", "dot_general", "dot_general_product"]
 
 _F32 = np.dtype(np.float32)
 _BF16 = np.dtype(jnp.bfloat16)
-
-
-# ------------------------------------------------------------------ dimensions
-
-
-def _size(shape: Sequence[Any]) -> int:
-    """The product of ``shape``, or 0 if a dimension is symbolic."""
-    n = 1
-    for d in shape:
-        if not isinstance(d, int | np.integer):
-            return 0
-        n *= int(d)
-    return n
-
-
-def product_dims(
-    name: str, in_shapes: Sequence[Sequence[Any]], out_shape: Sequence[Any], params: Any
-) -> tuple[tuple[tuple[str, int], ...], tuple[tuple[str, int], ...]] | None:
-    """The dimensions a float8 recipe's skip rules look at: ``(size, align)``.
-
-    For ``dot_general``: ``M``, ``N``, ``K`` per batch element (both). For
-    ``conv_general_dilated``: output positions ``M``, ``C_out`` and ``K`` =
-    ``C_in x window`` for the size rule, ``C_in`` and ``C_out`` (per group) for
-    alignment. A symbolic dimension has size 0. ``None`` for other ops.
-
-    Examples:
-        >>> product_dims("dot_general", [(8, 784), (784, 10)], (8, 10),
-        ...              {"dimension_numbers": (((1,), (0,)), ((), ()))})[0]
-        (('M', 8), ('N', 10), ('K', 784))
-    """
-    if name == "dot_general":
-        (lc, rc), (lb, rb) = params["dimension_numbers"]
-        lhs, rhs = in_shapes
-        k = _size([lhs[i] for i in lc])
-        m = _size([d for i, d in enumerate(lhs) if i not in set(lc) | set(lb)])
-        n = _size([d for i, d in enumerate(rhs) if i not in set(rc) | set(rb)])
-        dims = (("M", m), ("N", n), ("K", k))
-        return dims, dims
-    if name == "conv_general_dilated":
-        dn = params["dimension_numbers"]
-        rhs = in_shapes[1]
-        rhs_spec, out_spec = tuple(dn.rhs_spec), tuple(dn.out_spec)
-        c_out, c_in = _size([rhs[rhs_spec[0]]]), _size([rhs[rhs_spec[1]]])
-        window = _size([rhs[i] for i in rhs_spec[2:]])
-        m = _size([out_shape[out_spec[0]], *(out_shape[i] for i in out_spec[2:])])
-        return (
-            (("M", m), ("C_out", c_out), ("K", c_in * window)),
-            (("C_in", c_in), ("C_out", c_out)),
-        )
-    return None
 
 
 # ------------------------------------------------------------------ the product
@@ -123,19 +81,16 @@ class _Plan(NamedTuple):
 
     formats: tuple[np.dtype, np.dtype]
     rowwise: bool
-    low: np.dtype  # the low dtype: dequantization (GPU), residuals, tangents
-    out: np.dtype
-    qdq: bool  # quantize-dequantize pattern (GPU tensorwise)
-    canonical: bool  # CPU canonical layout (dots._contract)
+    low: np.dtype  # the low dtype: residuals (rowwise, convs) and tangents
     precision: Any
-    platform: str
+    platform: str | None  # a pinned platform, or None: chosen at lowering
+    explicit: bool  # explicitly sharded operands: no CPU canonical layout
 
 
 def _plan(
     recipe: f8.Float8Recipe,
     formats: Sequence[Any],
     low_dtype: DTypeLike,
-    out_dtype: DTypeLike,
     platform: str | None,
     precision: Any,
     *,
@@ -149,18 +104,13 @@ def _plan(
                 "`float8_dots(..., formats=...)` must hold float8_e4m3fn or "
                 f"float8_e5m2, got {f}."
             )
-    plat = platform or jax.default_backend()
-    rowwise = recipe.scaling == "rowwise" and not conv
-    cpu = plat == "cpu"
     return _Plan(
         formats=(fmts[0], fmts[1]),
-        rowwise=rowwise,
+        rowwise=recipe.scaling == "rowwise" and not conv,
         low=np.dtype(low_dtype),
-        out=np.dtype(out_dtype),
-        qdq=not cpu and not rowwise,
-        canonical=cpu and not explicit,
         precision=precision,
-        platform=plat,
+        platform=canonical_platform(platform),
+        explicit=explicit,
     )
 
 
@@ -196,43 +146,6 @@ def _scale_into(
     return lax.broadcast_in_dim(s, tuple(out_shape), dims)
 
 
-def _labeled_dot(
-    a: jax.Array,
-    a_labels: Sequence[int],
-    b: jax.Array,
-    b_labels: Sequence[int],
-    out_labels: Sequence[int],
-    precision: Any,
-    preferred: Any,
-    out_sharding: Any = None,
-) -> jax.Array:
-    """``lax.dot_general`` of two labelled operands, result in ``out_labels`` order."""
-    a_labels, b_labels, out_labels = list(a_labels), list(b_labels), list(out_labels)
-    batch = [lab for lab in out_labels if lab in a_labels and lab in b_labels]
-    contract = [lab for lab in a_labels if lab in b_labels and lab not in out_labels]
-    dn = (
-        (
-            tuple(a_labels.index(lab) for lab in contract),
-            tuple(b_labels.index(lab) for lab in contract),
-        ),
-        (
-            tuple(a_labels.index(lab) for lab in batch),
-            tuple(b_labels.index(lab) for lab in batch),
-        ),
-    )
-    kw = {} if out_sharding is None else {"out_sharding": out_sharding}
-    out = lax.dot_general(
-        a, b, dn, precision=precision, preferred_element_type=preferred, **kw
-    )
-    res = [
-        *batch,
-        *(lab for lab in a_labels if lab not in batch and lab not in contract),
-        *(lab for lab in b_labels if lab not in batch and lab not in contract),
-    ]
-    perm = tuple(res.index(lab) for lab in out_labels)
-    return out if perm == tuple(range(out.ndim)) else lax.transpose(out, perm)
-
-
 def _contract(
     a: tuple[jax.Array, jax.Array],
     a_labels: Sequence[int],
@@ -242,28 +155,32 @@ def _contract(
     plan: _Plan,
     out_sharding: Any = None,
 ) -> jax.Array:
-    """The product of two quantized operands ``(q, scale)``: float32 (scales
-    applied after) or, for the quantize-dequantize pattern, the low dtype."""
+    """The float32 product of two quantized operands ``(q, scale)``, scales
+    applied."""
     (qa, sa), (qb, sb) = a, b
-    if plan.qdq:
-        da, db = f8.dequantize(qa, sa, plan.low), f8.dequantize(qb, sb, plan.low)
-        return _labeled_dot(
-            da, a_labels, db, b_labels, out_labels, plan.precision, None, out_sharding
+    sharding = out_sharding if dots.explicitly_sharded(out_sharding) else None
+
+    def cpu(qa: jax.Array, qb: jax.Array) -> jax.Array:
+        a16, b16 = qa.astype(_BF16), qb.astype(_BF16)
+        if not plan.explicit:
+            return dots._contract(
+                a16, a_labels, b16, b_labels, out_labels, plan.precision, _F32, True
+            )
+        return dots.labeled_dot(
+            a16, a_labels, b16, b_labels, out_labels, plan.precision, _F32, sharding
         )
-    a16, b16 = qa.astype(_BF16), qb.astype(_BF16)
-    if plan.canonical:
-        p = dots._contract(
-            a16, a_labels, b16, b_labels, out_labels, plan.precision, _F32, True
+
+    def float8_gemm(qa: jax.Array, qb: jax.Array) -> jax.Array:
+        return dots.labeled_dot(
+            qa, a_labels, qb, b_labels, out_labels, plan.precision, _F32, sharding
         )
-    else:
-        p = _labeled_dot(
-            a16, a_labels, b16, b_labels, out_labels, plan.precision, _F32, out_sharding
-        )
+
+    p = per_platform((qa, qb), platform=plan.platform, cpu=cpu, default=float8_gemm)
     contracted = _contracted(a_labels, b_labels, out_labels)
-    scale = _scale_into(sa, a_labels, contracted, out_labels, p.shape) * _scale_into(
-        sb, b_labels, contracted, out_labels, p.shape
-    )
-    return p * scale
+    # One scale at a time: their product can leave float32's range (tiny
+    # tensors) where the scaled result does not.
+    p = p * _scale_into(sa, a_labels, contracted, out_labels, p.shape)
+    return p * _scale_into(sb, b_labels, contracted, out_labels, p.shape)
 
 
 def _quantized(
@@ -287,11 +204,11 @@ _DimNums = Any
 def _dot_forward(
     lhs: jax.Array, rhs: jax.Array, dn: _DimNums, plan: _Plan, out_sharding: Any = None
 ) -> tuple[jax.Array, tuple[Any, Any]]:
+    """The float32 product, and the quantized operands."""
     a_l, b_l, o_l = dots._dot_labels(lhs.ndim, rhs.ndim, dn)
     qa = _quantized(lhs, a_l, b_l, o_l, plan.formats[0], plan)
     qb = _quantized(rhs, b_l, a_l, o_l, plan.formats[1], plan)
-    out = _contract(qa, a_l, qb, b_l, o_l, plan, out_sharding)
-    return out.astype(plan.out), (qa, qb)
+    return _contract(qa, a_l, qb, b_l, o_l, plan, out_sharding), (qa, qb)
 
 
 @ft.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
@@ -362,6 +279,20 @@ def _dot_ste_jvp(dn, plan, out_sharding, primals, tangents):
     return out, dot(t_lhs, rhs) + dot(lhs, t_rhs)
 
 
+def _product(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    dn: _DimNums,
+    plan: _Plan,
+    custom_vjp: bool,
+    out_sharding: Any,
+) -> jax.Array:
+    """The float32 product, differentiable as ``custom_vjp`` asks."""
+    if custom_vjp and not plan.explicit:
+        return _dot_vjp(lhs, rhs, dn, plan, lhs.dtype, rhs.dtype)
+    return _dot_ste(lhs, rhs, dn, plan, out_sharding)
+
+
 def dot_general(
     lhs: ArrayLike,
     rhs: ArrayLike,
@@ -375,6 +306,7 @@ def dot_general(
     custom_vjp: bool = True,
     out_sharding: Any = None,
     platform: str | None = None,
+    wide: bool = False,
 ) -> jax.Array:
     """A ``lax.dot_general`` of float8-scaled operands, in ``out_dtype``.
 
@@ -385,17 +317,20 @@ def dot_general(
         precision: as for ``jax.lax.dot_general``.
         recipe: the :class:`~mixprec.Float8Recipe` (its scaling).
         formats: the float8 format of each operand.
-        low_dtype: the 16-bit dtype of dequantized operands (GPU), residuals
-            (rowwise) and tangents.
+        low_dtype: the 16-bit dtype of residuals (rowwise) and tangents.
         out_dtype: the dtype of the result.
         custom_vjp: a ``jax.custom_vjp`` with e5m2 cotangents (for reverse-mode
             AD) rather than a straight-through ``jax.custom_jvp``.
-        out_sharding: passed to the dot when not None (the product is then not
-            written in the CPU canonical layout).
-        platform: the backend to formulate for (default: JAX's default).
+        out_sharding: passed to the dot when it constrains the result's
+            sharding (the product is then not written in the CPU canonical
+            layout).
+        platform: pin one platform's formulation; ``None`` (default): each
+            platform's, chosen when the computation is lowered.
+        wide: return the float32 product (scales applied) instead of
+            rounding it to ``out_dtype`` (for a bias add that follows).
 
     Returns:
-        The product, with dtype ``out_dtype``.
+        The product, with dtype ``out_dtype`` (float32 with ``wide``).
 
     Examples:
         >>> import jax.numpy as jnp
@@ -409,13 +344,10 @@ def dot_general(
     """
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     dn = dots._canon_dn(dimension_numbers)
-    explicit = out_sharding is not None or dots._explicitly_sharded(lhs, rhs)
-    plan = _plan(
-        recipe, formats, low_dtype, out_dtype, platform, precision, explicit=explicit
-    )
-    if custom_vjp and not explicit:
-        return _dot_vjp(lhs, rhs, dn, plan, lhs.dtype, rhs.dtype)
-    return _dot_ste(lhs, rhs, dn, plan, out_sharding)
+    explicit = dots.explicitly_sharded(out_sharding, lhs, rhs)
+    plan = _plan(recipe, formats, low_dtype, platform, precision, explicit=explicit)
+    res: jax.Array = _product(lhs, rhs, dn, plan, custom_vjp, out_sharding)
+    return res if wide else res.astype(out_dtype)
 
 
 # ------------------------------------------------------------------ convolutions
@@ -428,56 +360,73 @@ def _conv(a: jax.Array, b: jax.Array, params: tuple, preferred: Any) -> jax.Arra
     return lax.conv_general_dilated_p.bind(a, b, **kw)
 
 
-def _conv_operands(
-    qa: tuple[jax.Array, jax.Array], qb: tuple[jax.Array, jax.Array], plan: _Plan
-) -> tuple[jax.Array, jax.Array, Any, jax.Array | None]:
-    """The operands the convolution takes, its accumulation dtype, and the scale
-    to apply after it (``None`` for the quantize-dequantize pattern)."""
-    (a, sa), (b, sb) = qa, qb
-    if plan.qdq:
-        return (
-            f8.dequantize(a, sa, plan.low),
-            f8.dequantize(b, sb, plan.low),
-            None,
-            None,
-        )
-    scale = sa.reshape(()) * sb.reshape(())
-    return a.astype(_BF16), b.astype(_BF16), _F32, scale
+def _cpu_conv_forward(lhs, rhs, params, plan):
+    """float8 on CPU: the float8 values as bfloat16, float32 accumulation, the
+    scales applied one at a time."""
+    (qa, sa), (qb, sb) = (
+        f8.quantize(lhs, plan.formats[0]),
+        f8.quantize(rhs, plan.formats[1]),
+    )
+    out = _conv(qa.astype(_BF16), qb.astype(_BF16), params, _F32)
+    return out * sa.reshape(()) * sb.reshape(())
+
+
+def _low_conv_forward(lhs, rhs, params, plan):
+    """Elsewhere: the convolution in the low dtype, widened to float32."""
+    return _conv(lhs.astype(plan.low), rhs.astype(plan.low), params, None).astype(_F32)
 
 
 def _conv_forward(lhs, rhs, params, plan):
-    qa = f8.quantize(lhs, plan.formats[0])
-    qb = f8.quantize(rhs, plan.formats[1])
-    a, b, acc, scale = _conv_operands(qa, qb, plan)
-    out = _conv(a, b, params, acc)
-    if scale is not None:
-        out = out * scale
-    return out.astype(plan.out), (qa, qb)
+    return per_platform(
+        (lhs, rhs),
+        platform=plan.platform,
+        cpu=ft.partial(_cpu_conv_forward, params=params, plan=plan),
+        default=ft.partial(_low_conv_forward, params=params, plan=plan),
+    )
 
 
 @ft.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
 def _conv_vjp(lhs, rhs, params, plan, lhs_dtype, rhs_dtype):
     del lhs_dtype, rhs_dtype
-    return _conv_forward(lhs, rhs, params, plan)[0]
+    return _conv_forward(lhs, rhs, params, plan)
 
 
 def _conv_vjp_fwd(lhs, rhs, params, plan, lhs_dtype, rhs_dtype):
     del lhs_dtype, rhs_dtype
-    out, res = _conv_forward(lhs, rhs, params, plan)
-    return out, res
+    out = _conv_forward(lhs, rhs, params, plan)
+    return out, (lhs.astype(plan.low), rhs.astype(plan.low))
+
+
+def _cpu_conv_backward(params, plan, g, a, b):
+    # The operands quantized again (the same float8 values as the forward
+    # pass), the cotangent to e5m2; JAX's transposes of the convolution.
+    (qa, sa), (qb, sb) = (
+        f8.quantize(a, plan.formats[0]),
+        f8.quantize(b, plan.formats[1]),
+    )
+    qg, sg = f8.quantize(g, f8.E5M2)
+    x, y = qa.astype(_BF16), qb.astype(_BF16)
+    out, vjp = jax.vjp(lambda x, y: _conv(x, y, params, _F32), x, y)
+    d_lhs, d_rhs = vjp(qg.astype(out.dtype))
+    d_lhs = d_lhs.astype(_F32) * sg.reshape(()) * sb.reshape(())
+    d_rhs = d_rhs.astype(_F32) * sg.reshape(()) * sa.reshape(())
+    return d_lhs, d_rhs
+
+
+def _low_conv_backward(params, plan, g, a, b):
+    out, vjp = jax.vjp(lambda x, y: _conv(x, y, params, None), a, b)
+    d_lhs, d_rhs = vjp(g.astype(out.dtype))
+    return d_lhs.astype(_F32), d_rhs.astype(_F32)
 
 
 def _conv_vjp_bwd(params, plan, lhs_dtype, rhs_dtype, res, g):
-    qa, qb = res
-    qg, sg = f8.quantize(g, f8.E5M2)
-    a, b, acc, _ = _conv_operands(qa, qb, plan)
-    out, vjp = jax.vjp(lambda x, y: _conv(x, y, params, acc), a, b)
-    if plan.qdq:
-        d_lhs, d_rhs = vjp(f8.dequantize(qg, sg, out.dtype))
-    else:
-        d_lhs, d_rhs = vjp(qg.astype(out.dtype))
-        d_lhs = d_lhs.astype(_F32) * (sg.reshape(()) * qb[1].reshape(()))
-        d_rhs = d_rhs.astype(_F32) * (sg.reshape(()) * qa[1].reshape(()))
+    a, b = res
+    d_lhs, d_rhs = per_platform(
+        (g, a, b),
+        platform=plan.platform,
+        cpu=ft.partial(_cpu_conv_backward, params, plan),
+        default=ft.partial(_low_conv_backward, params, plan),
+    )
     return d_lhs.astype(lhs_dtype), d_rhs.astype(rhs_dtype)
 
 
@@ -486,7 +435,7 @@ _conv_vjp.defvjp(_conv_vjp_fwd, _conv_vjp_bwd)
 
 @ft.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
 def _conv_ste(lhs, rhs, params, plan):
-    return _conv_forward(lhs, rhs, params, plan)[0]
+    return _conv_forward(lhs, rhs, params, plan)
 
 
 @_conv_ste.defjvp
@@ -522,7 +471,9 @@ def conv_general_dilated(
 
     ``conv_params`` are the parameters of ``jax.lax.conv_general_dilated_p`` as
     in a jaxpr equation; ``preferred_element_type`` is replaced (float32
-    accumulation). The other arguments are those of :func:`dot_general`.
+    accumulation). The other arguments are those of :func:`dot_general`. The
+    convolution runs in float8 on CPU and in ``low_dtype`` on other platforms
+    (see the module docstring).
 
     Examples:
         >>> import jax.numpy as jnp
@@ -542,15 +493,70 @@ def conv_general_dilated(
     """
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     plan = _plan(
-        recipe,
-        formats,
-        low_dtype,
-        out_dtype,
-        platform,
-        conv_params.get("precision"),
-        conv=True,
+        recipe, formats, low_dtype, platform, conv_params.get("precision"), conv=True
     )
     params = tuple(sorted(conv_params.items()))
+    res: jax.Array
     if custom_vjp:
-        return _conv_vjp(lhs, rhs, params, plan, lhs.dtype, rhs.dtype)
-    return _conv_ste(lhs, rhs, params, plan)
+        res = _conv_vjp(lhs, rhs, params, plan, lhs.dtype, rhs.dtype)  # type: ignore[assignment]
+    else:
+        res = _conv_ste(lhs, rhs, params, plan)  # type: ignore[assignment]
+    return res.astype(out_dtype)
+
+
+# ------------------------------------------------------------------ the op table's view
+
+
+def dot_general_product(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    params: dict[str, Any],
+    *,
+    recipe: f8.Float8Recipe,
+    formats: Sequence[Any],
+    low_dtype: np.dtype,
+    custom_vjp: bool,
+    platform: str | None,
+) -> jax.Array:
+    """A ``dot_general`` equation (``params``) run in float8: its float32
+    product (:func:`dot_general` with ``wide=True``)."""
+    return dot_general(
+        lhs,
+        rhs,
+        dimension_numbers=params["dimension_numbers"],
+        precision=params.get("precision"),
+        recipe=recipe,
+        formats=formats,
+        low_dtype=low_dtype,
+        out_dtype=np.float32,
+        custom_vjp=custom_vjp,
+        out_sharding=params.get("out_sharding"),
+        platform=platform,
+        wide=True,
+    )
+
+
+def conv_product(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    params: dict[str, Any],
+    *,
+    recipe: f8.Float8Recipe,
+    formats: Sequence[Any],
+    low_dtype: np.dtype,
+    custom_vjp: bool,
+    platform: str | None,
+) -> jax.Array:
+    """A ``conv_general_dilated`` equation (``params``) run in float8 (on CPU;
+    see the module docstring), in float32."""
+    return conv_general_dilated(
+        lhs,
+        rhs,
+        recipe=recipe,
+        formats=formats,
+        low_dtype=low_dtype,
+        out_dtype=np.float32,
+        custom_vjp=custom_vjp,
+        platform=platform,
+        **params,
+    )

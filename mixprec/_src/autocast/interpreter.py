@@ -48,6 +48,7 @@ from mixprec._src.autocast.decide import (
     FOLLOWS,
     GRAD,
     HIGHER_ORDER,
+    INPUT,
     STAT,
     Decision,
     Precision,
@@ -62,6 +63,7 @@ __all__ = [
     "CONST",
     "FOLLOWS",
     "GRAD",
+    "INPUT",
     "STAT",
     "CastContext",
     "Observer",
@@ -292,8 +294,9 @@ class CastContext:
         return self.config.low_dtype
 
     @property
-    def platform(self) -> str:
-        """The backend dots are formulated for."""
+    def platform(self) -> str | None:
+        """The platform dots are formulated for, or ``None``: each platform's,
+        chosen when the computation is lowered."""
         return self.config.platform
 
     def cast_operands(self, invals: Sequence[Any]) -> list[Any]:
@@ -474,8 +477,9 @@ def default_rule(prim: Any, ctx: CastContext, *invals: Any, **params: Any) -> An
 def _run_rule(
     spec: ops.OpSpec | None, prim: Any, ctx: CastContext, invals: Sequence[Any]
 ) -> list[Any]:
-    if spec is not None and spec.rule is not None and not ctx.fused:
-        outs = spec.rule(ctx, *invals, **ctx.eqn.params)
+    rule = None if ctx.fused else ops.rule_for(spec)
+    if rule is not None:
+        outs = rule(ctx, *invals, **ctx.eqn.params)
     else:
         outs = default_rule(prim, ctx, *invals, **ctx.eqn.params)
     return list(outs) if prim.multiple_results else [outs]
@@ -576,7 +580,7 @@ def eval_jaxpr(
     mk: dict[Any, int] = {}
     for v, x in zip(jaxpr.constvars, consts, strict=True):
         env[v] = x
-        mk[v] = CONST
+        mk[v] = CONST | INPUT
     if marks is None:
         marks = [0] * len(args)
     for v, x, m in zip(jaxpr.invars, args, marks, strict=True):

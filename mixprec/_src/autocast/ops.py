@@ -32,11 +32,22 @@ Flags:
   broadcast, so its gradient is summed in the wider dtype.
 * :data:`FLOAT8`: an allow op with a scaled float8 formulation: under a policy
   with a float8 recipe it runs in float8 (the others stay in the low dtype).
+  Derived from the entry's :class:`Product` (set when it has a float8
+  formulation).
 * :data:`STATISTIC`: a reduction whose result is a statistic of its operand
   (a sum, a max); a value computed from statistics and constants only is one
   too, and it anchors gray ops instead of following (``x - mean``).
 * :data:`EPILOGUE`: a bias add that may run on the float32 product of the
   CPU matmul before it (one rounding, as a GEMM epilogue does).
+
+Matmul-like ops (``dot_general``, ``conv_general_dilated``) carry a
+:class:`Product` in their entry: their dimensions (for float8's skip rules,
+alignment advice, FLOPs and rowwise scales), their 16-bit and float8
+formulations (:mod:`~mixprec._src.autocast.dots`,
+:mod:`~mixprec._src.autocast.float8_dots`, each written per platform) and how
+a float8 recipe and a following bias add apply to them. One rule runs every op
+that has one. Adding a matmul-like primitive is an entry here with its
+``Product`` and its formulation functions.
 
 Composites are nested functions that JAX itself emits as a named ``jit`` or
 ``custom_jvp`` (``jax.nn.log_softmax``, ``jnp.var``, ``jnp.linalg.norm``, ...).
@@ -61,6 +72,7 @@ import jax
 
 from mixprec._src import _compat
 from mixprec._src._errors import suggest
+from mixprec._src.autocast import dots, float8_dots
 
 
 __all__ = [
@@ -76,6 +88,7 @@ __all__ = [
     "OpClass",
     "OpLists",
     "OpSpec",
+    "Product",
     "VIEW",
     "class_table",
     "composite_for_function",
@@ -100,6 +113,37 @@ FLAGS: Final = frozenset(
 
 
 @dataclasses.dataclass(frozen=True)
+class Product:
+    """What autocast knows about a matmul-like op beyond its class.
+
+    Attributes:
+        dims: ``dims(in_shapes, out_shape, params) -> dots.ProductDims``: its
+            sizes for float8's skip rules, alignment advice, FLOPs and the
+            axes rowwise scales are taken over.
+        low: its 16-bit formulation, ``low(lhs, rhs, params, *, low_dtype,
+            out_dtype, custom_vjp, platform, cpu_bf16, alive)``, returning
+            the product in float32 (the caller rounds it).
+        float8: its float8 formulation, ``float8(lhs, rhs, params, *, recipe,
+            formats, low_dtype, custom_vjp, platform)``, in float32; ``None``:
+            it stays in 16 bits under a float8 policy.
+        rowwise: a rowwise float8 recipe scales it rowwise (else tensorwise).
+        epilogue: a bias add right after it runs on its float32 product.
+
+    Examples:
+        >>> product = spec_for("dot_general").product
+        >>> product.dims([(8, 64), (64, 16)], (8, 16),
+        ...              {"dimension_numbers": (((1,), (0,)), ((), ()))}).flops
+        16384
+    """
+
+    dims: Callable[..., Any]
+    low: Callable[..., Any]
+    float8: Callable[..., Any] | None = None
+    rowwise: bool = True
+    epilogue: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
 class OpSpec:
     """Everything autocast knows about one op.
 
@@ -111,8 +155,10 @@ class OpSpec:
         flags: a subset of :data:`FLAGS`.
         rule: the rule that runs the op, or ``None`` for the default one (cast
             the floating operands as decided, bind the primitive again; for a
-            higher-order primitive: recurse into its jaxpr parameters).
+            higher-order primitive: recurse into its jaxpr parameters; for a
+            matmul-like op: run its :class:`Product`'s formulation).
         composite: for a composite, the names of the JAX functions it matches.
+        product: for a matmul-like op, its :class:`Product`.
 
     Examples:
         >>> spec = spec_for("integer_pow")
@@ -128,6 +174,7 @@ class OpSpec:
     flags: frozenset[str] = frozenset()
     rule: Callable[..., Any] | None = None
     composite: tuple[str, ...] = ()
+    product: Product | None = None
 
     @property
     def is_higher_order(self) -> bool:
@@ -150,13 +197,16 @@ def _define(
     reason: str,
     *,
     flags: Iterable[str] = (),
+    product: Product | None = None,
 ) -> None:
     flag_set = frozenset(flags)
+    if product is not None and product.float8 is not None:
+        flag_set |= {FLOAT8}
     assert flag_set <= FLAGS, flag_set - FLAGS
     for name in names:
         if name in _ops:
             raise RuntimeError(f"ops: {name!r} is classified twice")
-        _ops[name] = OpSpec(name, op_class, reason, flag_set)
+        _ops[name] = OpSpec(name, op_class, reason, flag_set, product=product)
 
 
 def def_allow(names: Iterable[str], reason: str, **kw: Any) -> None:
@@ -296,6 +346,27 @@ def register_rule(
     return register(rule)
 
 
+_product_rule: list[Callable[..., Any]] = []
+
+
+def set_product_rule(rule: Callable[..., Any]) -> None:
+    """Sets the rule that runs every op with a :class:`Product` and no rule
+    of its own."""
+    _product_rule[:] = [rule]
+
+
+def rule_for(spec: OpSpec | None) -> Callable[..., Any] | None:
+    """The rule of a first-order op: its own, the product rule for a
+    matmul-like op, or ``None`` for the default rule."""
+    if spec is None:
+        return None
+    if spec.rule is not None:
+        return spec.rule
+    if spec.product is not None:
+        return _product_rule[0]
+    return None
+
+
 _default_higher_order_rule: list[Callable[..., Any]] = []
 
 
@@ -332,14 +403,24 @@ def_allow(
     f"matmul/einsum: {_PT} lower_precision_fp (matmul, mm, bmm, linear, einsum), "
     f"{_TF} allow (MatMul, BatchMatMulV2, Einsum), {_APEX} FP16_FUNCS (matmul, mm, "
     "addmm, linear); tensor cores and AVX512-BF16 accumulate in float32",
-    flags=[FLOAT8],
+    product=Product(
+        dims=dots.dot_general_dims,
+        low=dots.dot_general_product,
+        float8=float8_dots.dot_general_product,
+    ),
 )
 def_allow(
     ["conv_general_dilated"],
     f"convolution: {_PT} lower_precision_fp (conv1d/2d/3d, conv_transpose*), "
     f"{_TF} allow (Conv2D, Conv3D and their backprops), {_APEX} FP16_FUNCS "
     "(conv*, conv_transpose*)",
-    flags=[FLOAT8],
+    product=Product(
+        dims=dots.conv_dims,
+        low=dots.conv_product,
+        float8=float8_dots.conv_product,
+        rowwise=False,
+        epilogue=False,
+    ),
 )
 def_allow(
     ["ragged_dot_general"],

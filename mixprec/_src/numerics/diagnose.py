@@ -67,6 +67,7 @@ from mixprec._src.numerics.record import (
     AlignmentIssue,
     lint_product,
     parse_source,
+    product_dims,
     record_fields,
     short_source,
 )
@@ -910,14 +911,13 @@ class _Comparer:
         """Saturated and flushed values of the operands the op quantizes, with
         the scales the recipe takes (over the contraction for rowwise dots)."""
         formats = decision.operand_dtypes or ()
-        rowwise = decision.float8 is not None and decision.float8.scaling == "rowwise"
-        contract: tuple[Sequence[int], ...] = ((), ())
-        if eqn.primitive.name == "dot_general":
-            contract = eqn.params["dimension_numbers"][0]
+        recipe = decision.float8
+        dims = product_dims(eqn)
+        contract = dims.contracting if dims is not None else ((), ())
         for i, (x, fmt) in enumerate(zip(inmix, formats, strict=False)):
             if fmt is None or not _is_float(x):
                 continue
-            axes = tuple(contract[i]) if rowwise and contract[i] else None
+            axes = recipe.scale_axes(contract[i]) if recipe is not None else None
             saturated, flushed, n = f8.quantization_counts(x, fmt, axes)
             site.saturated += saturated
             site.flushed += flushed
@@ -1017,7 +1017,7 @@ def _refine_advice(
         op = new[0]
         spec = merge_black_list(user_spec, [*chosen, op])
         try:
-            config = make_config(policy, mode=mode, mixlist=spec)
+            config = make_config(policy, mode=mode, mixlist=spec).resolved()
         except ValueError as e:
             notes.append(f"cannot black-list {op!r}: {e}")
             rejected.add(op)
@@ -1134,7 +1134,7 @@ def diagnose(
                 "`jax.grad` with real arrays (use `mixprec.explain` for shapes only)."
             )
     user_spec = _mixlist_dict(mixlist)
-    config = make_config(policy, mode=mode, mixlist=mixlist)
+    config = make_config(policy, mode=mode, mixlist=mixlist).resolved()
     low = np.dtype(config.low_dtype)
     args = _widen_16bit(args)
     ev, out32, outmix = _evaluate(fn_to_run, args, config, max_loop_steps)

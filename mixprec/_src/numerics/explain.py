@@ -310,7 +310,7 @@ def explain(
       >>> report.to_dict()["policy"]
       'p=f32,c=bf16,o=f32'
     """
-    config = make_config(policy, mode=mode, mixlist=mixlist)
+    config = make_config(policy, mode=mode, mixlist=mixlist).resolved()
     recorder = Recorder()
     jaxpr, source = api.trace_transformed(fn, config, args, {}, observer=recorder)
     ops = tuple(recorder.records)

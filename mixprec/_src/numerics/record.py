@@ -83,38 +83,25 @@ def _shape(v: Any) -> tuple[Any, ...]:
     return tuple(getattr(aval, "shape", ()))
 
 
-def dot_dims(eqn: jex_core.JaxprEqn) -> dict[str, int] | None:
-    """``{"M", "N", "K", "batch"}`` sizes of a ``dot_general`` (``None`` otherwise)."""
-    if eqn.primitive.name != "dot_general":
+def product_dims(eqn: jex_core.JaxprEqn) -> Any:
+    """The :class:`~mixprec._src.autocast.dots.ProductDims` of a matmul-like
+    equation (one whose op-table entry has a ``Product``), else ``None``."""
+    spec = ops.spec_for(eqn.primitive.name)
+    if spec is None or spec.product is None:
         return None
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    lhs, rhs = _shape(eqn.invars[0]), _shape(eqn.invars[1])
-    k = _size([lhs[i] for i in lc])
-    batch = _size([lhs[i] for i in lb])
-    m = _size([d for i, d in enumerate(lhs) if i not in set(lc) | set(lb)])
-    n = _size([d for i, d in enumerate(rhs) if i not in set(rc) | set(rb)])
-    return {"M": m, "N": n, "K": k, "batch": batch}
-
-
-def conv_dims(eqn: jex_core.JaxprEqn) -> dict[str, int] | None:
-    """Input/output channels and kernel size of a ``conv_general_dilated``."""
-    if eqn.primitive.name != "conv_general_dilated":
-        return None
-    dn = eqn.params["dimension_numbers"]
-    rhs = _shape(eqn.invars[1])
-    rhs_spec = tuple(dn.rhs_spec)
-    out_c, in_c = rhs[rhs_spec[0]], rhs[rhs_spec[1]]
-    window = _size([rhs[i] for i in rhs_spec[2:]])
-    return {"C_in": _size([in_c]), "C_out": _size([out_c]), "window": window}
+    return spec.product.dims(
+        [_shape(v) for v in eqn.invars], _shape(eqn.outvars[0]), eqn.params
+    )
 
 
 def eqn_flops(eqn: jex_core.JaxprEqn) -> int:
     """Floating-point operations of one equation (its sub-jaxprs excluded).
 
-    ``dot_general``: ``2·batch·M·N·K``; convolutions: ``2·out·C_in/groups·window``;
-    reductions: one per input element; ops without arithmetic (clear data
-    movement, higher-order primitives, integer ops): zero; every other floating
-    op: one per output element.
+    Matmul-like ops: their ``Product``'s count (``dot_general``:
+    ``2·batch·M·N·K``; convolutions: ``2·out·C_in/groups·window``); reductions:
+    one per input element; ops without arithmetic (clear data movement,
+    higher-order primitives, integer ops): zero; every other floating op: one
+    per output element.
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -125,15 +112,9 @@ def eqn_flops(eqn: jex_core.JaxprEqn) -> int:
     """
     name = eqn.primitive.name
     out_size = sum(_size(_shape(v)) for v in eqn.outvars)
-    if name == "dot_general":
-        dims = dot_dims(eqn)
-        assert dims is not None
-        return 2 * out_size * dims["K"]
-    if name == "conv_general_dilated":
-        dims = conv_dims(eqn)
-        assert dims is not None
-        # The kernel's input-feature dimension is already C_in / groups.
-        return 2 * out_size * dims["C_in"] * dims["window"]
+    dims = product_dims(eqn)
+    if dims is not None:
+        return dims.flops
     spec = ops.spec_for(name)
     if spec is None or spec.op_class in (None, "clear"):
         return 0
@@ -234,11 +215,10 @@ def lint_eqn(
     multiple = alignment_multiple(dtype)
     if multiple is None:
         return None
-    dims = dot_dims(eqn) or conv_dims(eqn)
+    dims = product_dims(eqn)
     if dims is None:
         return None
-    checked = ("M", "N", "K") if "K" in dims else ("C_in", "C_out")
-    bad = tuple(d for d in checked if dims[d] and dims[d] % multiple)
+    bad = tuple(d for d, size in dims.align if size and size % multiple)
     if not bad:
         return None
     return AlignmentIssue(
@@ -247,7 +227,7 @@ def lint_eqn(
         path=path,
         dtype=str(np.dtype(dtype)),
         multiple=multiple,
-        dims={k: v for k, v in dims.items() if k != "window"},
+        dims={k: v for k, v in dims.report if k != "window"},
         misaligned=bad,
     )
 

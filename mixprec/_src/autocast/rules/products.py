@@ -1,0 +1,121 @@
+"""The rule of matmul-like ops: every op whose table entry has a ``Product``.
+
+A product decided low runs its entry's 16-bit formulation
+(:mod:`mixprec._src.autocast.dots`, written per platform); one decided float8
+runs its float8 formulation (:mod:`mixprec._src.autocast.float8_dots`); one
+decided float32 (``precision=HIGHEST``, a float32 policy) or as written runs
+through the default rule. Both formulations return the product in float32 (on
+CPU the float32 accumulator, elsewhere the 16-bit result widened); it is kept,
+where the entry says so, for a bias add right after the product (the epilogue
+of :func:`~mixprec._src.autocast.decide.decide_epilogue`: one rounding, and
+on CPU one XLA kernel fewer per layer).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from jax import lax
+
+from mixprec._src.autocast import dots, interpreter as itp, ops
+from mixprec._src.autocast.avals import float_dtype
+from mixprec._src.autocast.decide import CONST, INPUT, Precision
+from mixprec._src.autocast.interpreter import CastContext
+
+
+__all__: list[str] = []
+
+_F32 = np.dtype(np.float32)
+
+
+def _low_dtype(ctx: CastContext, lhs: Any, rhs: Any) -> np.dtype | None:
+    """The 16-bit (or narrower) dtype the product runs in, or ``None`` to run
+    it through the default rule."""
+    d = ctx.decision
+    if (
+        d.precision is not Precision.LOW
+        or d.dtype is None
+        or float_dtype(lhs) is None
+        or float_dtype(rhs) is None
+        or d.dtype.itemsize > 2
+    ):
+        return None
+    return d.dtype
+
+
+def _saturated(ctx: CastContext, vals: tuple[Any, ...], low: np.dtype) -> list[Any]:
+    """Constant operands saturate instead of overflowing when rounded."""
+    out = []
+    for x, m in zip(vals, ctx.marks, strict=True):
+        dt = float_dtype(x)
+        if m & CONST and dt is not None and dt.itemsize > low.itemsize:
+            x = itp.clip_to_range(x, low)
+        out.append(x)
+    return out
+
+
+def _note_formulation(ctx: CastContext, low: np.dtype) -> None:
+    """Tells an observer (``explain``) how each platform runs this product."""
+    if ctx.walk.observer is None:
+        return
+    if ctx.eqn.primitive.name == "conv_general_dilated":
+        note = dots.conv_note(low, platform=ctx.platform)
+    else:
+        note = dots.formulation_note(
+            low, platform=ctx.platform, cpu_bf16=ctx.config.cpu_bf16
+        )
+    ctx.walk.observer.on_note(ctx.walk, ctx.eqn, note)
+
+
+def _product_rule(ctx: CastContext, lhs: Any, rhs: Any, **params: Any) -> Any:
+    spec = ops.spec_for(ctx.eqn.primitive.name)
+    assert spec is not None and spec.product is not None
+    product = spec.product
+    d = ctx.decision
+    if d.precision is Precision.FLOAT8:
+        assert product.float8 is not None and d.float8 is not None
+        assert d.operand_dtypes is not None
+        out_dtype = d.out_dtype or ctx.low_dtype
+        wide = product.float8(
+            lhs,
+            rhs,
+            params,
+            recipe=d.float8,
+            formats=d.operand_dtypes,
+            low_dtype=ctx.low_dtype,
+            custom_vjp=ctx.config.custom_vjp_dots,
+            platform=ctx.platform,
+        )
+        return _rounded(ctx, product, wide, out_dtype)
+    low = _low_dtype(ctx, lhs, rhs)
+    if low is None:
+        return itp.default_rule(ctx.eqn.primitive, ctx, lhs, rhs, **params)
+    lhs, rhs = _saturated(ctx, (lhs, rhs), low)
+    out_dtype = d.out_dtype or low
+    wide = product.low(
+        lhs,
+        rhs,
+        params,
+        low_dtype=low,
+        out_dtype=out_dtype,
+        custom_vjp=ctx.config.custom_vjp_dots,
+        platform=ctx.platform,
+        cpu_bf16=ctx.config.cpu_bf16,
+        alive=(bool(ctx.marks[0] & INPUT), bool(ctx.marks[1] & INPUT)),
+    )
+    _note_formulation(ctx, low)
+    return _rounded(ctx, product, wide, out_dtype)
+
+
+def _rounded(ctx: CastContext, product: ops.Product, wide: Any, out: np.dtype) -> Any:
+    """The float32 product rounded to ``out``; kept for a bias add that
+    follows where the product allows one."""
+    if np.dtype(out) == _F32:
+        return wide
+    if product.epilogue:
+        ctx.walk.wide[ctx.eqn.outvars[0]] = wide
+    return lax.convert_element_type(wide, out)
+
+
+ops.set_product_rule(_product_rule)

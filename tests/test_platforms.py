@@ -1,0 +1,155 @@
+"""Formulations chosen by the platform a computation is lowered for.
+
+What a GPU will run is checked on this CPU host by exporting for ``cuda``
+(``jax.export`` lowers without a GPU) and reading the StableHLO.
+"""
+
+import re
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import export
+
+import mixprec
+
+
+F8 = ("f8E4M3FN", "f8E5M2")
+
+
+def _mlp(p, x):
+    h = jax.nn.relu(x @ p["w1"] + p["b1"][None, :])
+    return jnp.mean((h @ p["w2"]) ** 2)
+
+
+def _params():
+    k1, k2 = jax.random.split(jax.random.key(0))
+    return {
+        "w1": jax.random.normal(k1, (256, 512)) / 16,
+        "b1": jnp.zeros(512),
+        "w2": jax.random.normal(k2, (512, 128)) / 22,
+    }
+
+
+X = jax.random.normal(jax.random.key(1), (128, 256))
+
+
+def _loss_only(policy):
+    return jax.jit(jax.value_and_grad(mixprec.autocast(_mlp, policy)))
+
+
+def _whole_step(policy):
+    opt = optax.sgd(0.1)
+
+    def step(p, x):
+        loss, g = jax.value_and_grad(_mlp)(p, x)
+        updates, _ = opt.update(g, opt.init(p), p)
+        return optax.apply_updates(p, updates), loss
+
+    return jax.jit(mixprec.autocast(step, policy))
+
+
+def _dots(module_text):
+    """``(operand types, result type)`` of every ``stablehlo.dot_general``."""
+    out = []
+    for line in module_text.splitlines():
+        if "stablehlo.dot_general" not in line:
+            continue
+        sig = line.rsplit(" : ", 1)[1]
+        ins, result = sig.split(" -> ")
+        types = re.findall(r"tensor<(?:[\d?]+x)*(\w+)>", ins)
+        out.append((tuple(types), re.findall(r"tensor<(?:[\d?]+x)*(\w+)>", result)[-1]))
+    return out
+
+
+@pytest.mark.parametrize("low", ["bfloat16", "float16"])
+@pytest.mark.parametrize("where", ["loss", "step"])
+def test_cuda_export_runs_16_bit_gemms_without_cpu_rewrites(low, where):
+    policy = f"mixed_{low}"
+    f = _loss_only(policy) if where == "loss" else _whole_step(policy)
+    text = export.export(f, platforms=["cuda"])(_params(), X).mlir_module()
+    short = {"bfloat16": "bf16", "float16": "f16"}[low]
+    dots = _dots(text)
+    assert len(dots) == 5  # two forward, three backward (x needs none)
+    for operands, result in dots:
+        assert operands == (short, short), dots
+        assert result in (short, "f32"), dots
+    # The gradients of the float32 weights leave their GEMMs in float32; the
+    # whole step's backward dots are equations traced in float32, and keep
+    # that result dtype (the activation gradient too).
+    wide = sum(result == "f32" for _, result in dots)
+    assert wide == (2 if where == "loss" else 3), dots
+    # None of the CPU formulation's rewrites (barriers around canonical dots).
+    assert "optimization_barrier" not in text
+
+
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("where", ["loss", "step"])
+def test_cuda_export_of_float8_hands_float8_arrays_to_the_gemms(scaling, where):
+    policy = mixprec.Policy("float32", "bfloat16", "float32", float8=scaling)
+    f = _loss_only(policy) if where == "loss" else _whole_step(policy)
+    text = export.export(f, platforms=["cuda"])(_params(), X).mlir_module()
+    dots = _dots(text)
+    f8_dots = [ops for ops, _ in dots if set(ops) <= set(F8)]
+    if where == "loss":
+        # Forward in e4m3; both backward products take the e5m2 cotangent.
+        assert len(f8_dots) == len(dots) == 5, dots
+        assert sum("f8E5M2" in ops for ops in f8_dots) == 3, dots
+    else:
+        # The whole step's backward dots are equations of their own: each is
+        # a float8 product too (its gradient operand in e5m2).
+        assert len(f8_dots) == len(dots) == 5, dots
+    # No float8 value is converted back to a wider type: XLA's GPU pipeline
+    # would fold f32 -> f8 -> bf16 into one convert and lose the rounding.
+    assert not re.search(r"stablehlo\.convert[^\n]*\(tensor<[^>]*xf8E", text)
+
+
+@pytest.mark.parametrize(
+    "policy",
+    ["mixed_bfloat16", "mixed_float16", "mixed_float8"],
+)
+def test_multi_platform_export_runs_on_cpu_with_the_cpu_formulation(policy):
+    f = _loss_only(policy)
+    exp = export.export(f, platforms=["cpu", "cuda"])(_params(), X)
+    assert exp.platforms == ("cpu", "cuda")
+    got = exp.call(_params(), X)
+    want = f(_params(), X)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # Both formulations are in the module: the CPU one is what ran here.
+    both = set(_dots(exp.mlir_module()))
+    for platform in ("cpu", "cuda"):
+        one = export.export(f, platforms=[platform])(_params(), X).mlir_module()
+        assert set(_dots(one)) <= both, platform
+
+
+def test_creating_autocast_initialises_no_jax_backend():
+    # An unmodified program that configures JAX after building its functions
+    # (as Equinox's examples set `jax_num_cpu_devices`) must keep working:
+    # JAX refuses such settings once a backend is initialised.
+    code = textwrap.dedent(
+        """
+        import jax, jax.numpy as jnp
+        import mixprec
+        f = mixprec.autocast(lambda x: (x @ x).sum(), "mixed_bfloat16")
+        g = mixprec.autocast(lambda x: (x @ x).sum(), "mixed_float8")
+        jax.config.update("jax_num_cpu_devices", 3)
+        print(len(jax.devices("cpu")), float(f(jnp.ones((4, 4)))))
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["3", "64.0"]
