@@ -590,3 +590,40 @@ def test_benchmark_quick_mode_writes_json(tmp_path):
     # bf16 residuals: the dots save bf16 copies of their operands.
     assert memory["dots_bf16"]["residual_bytes"] < memory["float32"]["residual_bytes"]
     assert out.with_suffix(".md").read_text().count("|") > 10
+
+
+# --- a third product: grouped (MoE) matmuls ------------------------------------
+
+
+def test_ragged_dot_runs_as_a_product():
+    # `ragged_dot_general` is in the op table with a Product like dot_general:
+    # 16-bit operands with float32 accumulation on CPU, its FLOPs in explain.
+    import mixprec
+
+    lhs = jax.random.normal(jax.random.key(0), (64, 32))
+    rhs = jax.random.normal(jax.random.key(1), (4, 32, 16))
+    groups = jnp.array([10, 20, 30, 4], jnp.int32)
+
+    def loss(a, b, g):
+        return jnp.sum(lax.ragged_dot(a, b, g) ** 2)
+
+    mixed = mixprec.autocast(loss, "mixed_bfloat16")
+    assert_trees_close(mixed(lhs, rhs, groups), loss(lhs, rhs, groups), dtype=BF16)
+    grads = jax.jit(jax.grad(mixed, (0, 1)))(lhs, rhs, groups)
+    assert_tree_dtypes(grads, (F32, F32))
+    ref = jax.grad(loss, (0, 1))(lhs, rhs, groups)
+    assert_trees_close(grads, ref, dtype=BF16, grad=True)
+    ragged = [
+        e
+        for e in iter_eqns(jax.make_jaxpr(mixed)(lhs, rhs, groups))
+        if e.primitive.name == "ragged_dot_general"
+    ]
+    assert [str(v.aval.dtype) for v in ragged[0].invars] == [
+        "bfloat16",
+        "bfloat16",
+        "int32",
+    ]
+    assert ragged[0].outvars[0].aval.dtype == F32
+    report = mixprec.explain(loss, lhs, rhs, groups, policy="mixed_bfloat16")
+    (op,) = report.find("ragged_dot_general")
+    assert op.decision == "low" and op.flops == 2 * 64 * 16 * 32

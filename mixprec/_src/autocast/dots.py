@@ -88,6 +88,8 @@ __all__ = [
     "dot_general_product",
     "formulation",
     "formulation_note",
+    "ragged_dot_dims",
+    "ragged_dot_product",
     "wide_dot_general",
 ]
 
@@ -1102,6 +1104,7 @@ def dot_general_product(
     rhs: jax.Array,
     params: dict[str, Any],
     *,
+    extra: tuple[Any, ...] = (),
     low_dtype: np.dtype,
     out_dtype: np.dtype,
     custom_vjp: bool,
@@ -1111,6 +1114,7 @@ def dot_general_product(
 ) -> jax.Array:
     """A ``dot_general`` equation (``params``) run in 16 bits: the float32
     product of :func:`wide_dot_general`."""
+    del extra
     return wide_dot_general(
         lhs,
         rhs,
@@ -1131,6 +1135,7 @@ def conv_product(
     rhs: jax.Array,
     params: dict[str, Any],
     *,
+    extra: tuple[Any, ...] = (),
     low_dtype: np.dtype,
     out_dtype: np.dtype,
     custom_vjp: bool,
@@ -1141,7 +1146,74 @@ def conv_product(
     """A ``conv_general_dilated`` equation (``params``) run in 16 bits, in
     float32: accumulated in float32 on CPU, the 16-bit result widened elsewhere
     (JAX's own derivative rules, in both modes)."""
-    del out_dtype, custom_vjp, cpu_bf16, alive
+    del extra, out_dtype, custom_vjp, cpu_bf16, alive
     return conv_general_dilated(
         lhs, rhs, low_dtype=low_dtype, out_dtype=_F32, platform=platform, **params
+    )
+
+
+def ragged_dot_dims(
+    in_shapes: Sequence[Sequence[Any]], out_shape: Sequence[Any], params: Any
+) -> ProductDims:
+    """:class:`ProductDims` of a ``ragged_dot_general`` (a grouped, MoE-style
+    matmul: each row of the lhs meets the rhs matrix of its group).
+
+    Examples:
+        >>> from jax import lax
+        >>> rdn = lax.RaggedDotDimensionNumbers((((1,), (1,)), ((), ())), (0,), (0,))
+        >>> ragged_dot_dims([(8, 16), (2, 16, 4), (2,)], (8, 4),
+        ...                 {"ragged_dot_dimension_numbers": rdn}).sizes
+        (('M', 8), ('N', 4), ('K', 16))
+    """
+    rdn = params["ragged_dot_dimension_numbers"]
+    (lc, rc), (lb, rb) = rdn.dot_dimension_numbers
+    lhs, rhs = in_shapes[0], in_shapes[1]
+    groups = set(rdn.rhs_group_dimensions)
+    k = _static_size([lhs[i] for i in lc])
+    m = _static_size([d for i, d in enumerate(lhs) if i not in set(lc) | set(lb)])
+    free = set(rc) | set(rb) | groups
+    n = _static_size([d for i, d in enumerate(rhs) if i not in free])
+    dims = (("M", m), ("N", n), ("K", k))
+    return ProductDims(
+        sizes=dims,
+        align=dims,
+        flops=2 * _static_size(out_shape) * k,
+        contracting=(tuple(int(i) for i in lc), tuple(int(i) for i in rc)),
+        report=(*dims, ("groups", _static_size([rhs[i] for i in groups]))),
+    )
+
+
+def ragged_dot_product(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    params: dict[str, Any],
+    *,
+    extra: tuple[Any, ...],
+    low_dtype: np.dtype,
+    out_dtype: np.dtype,
+    custom_vjp: bool,
+    platform: str | None,
+    cpu_bf16: str | None,
+    alive: tuple[bool, bool],
+) -> jax.Array:
+    """A ``ragged_dot_general`` equation run in 16 bits, in float32: operands
+    rounded to ``low_dtype``, accumulated in float32 on CPU (XLA:CPU has no
+    16-bit grouped-matmul kernel), ``low x low -> low`` elsewhere (float32 when
+    the caller keeps a float32 result); JAX's derivative rules."""
+    del custom_vjp, cpu_bf16, alive
+    (group_sizes,) = extra
+    kw = {k: v for k, v in params.items() if k != "preferred_element_type"}
+    if kw.get("out_sharding") is None:
+        kw.pop("out_sharding", None)
+    wide_out = np.dtype(out_dtype) == _F32
+
+    def run(preferred: Any, a: jax.Array, b: jax.Array, g: jax.Array) -> jax.Array:
+        res = lax.ragged_dot_general(a, b, g, preferred_element_type=preferred, **kw)
+        return res.astype(_F32)
+
+    return per_platform(
+        (lhs.astype(low_dtype), rhs.astype(low_dtype), group_sizes),
+        platform=platform,
+        cpu=ft.partial(run, _F32),
+        default=ft.partial(run, _F32 if wide_out else None),
     )

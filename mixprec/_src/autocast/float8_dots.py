@@ -512,6 +512,7 @@ def dot_general_product(
     rhs: jax.Array,
     params: dict[str, Any],
     *,
+    extra: tuple[Any, ...] = (),
     recipe: f8.Float8Recipe,
     formats: Sequence[Any],
     low_dtype: np.dtype,
@@ -520,6 +521,7 @@ def dot_general_product(
 ) -> jax.Array:
     """A ``dot_general`` equation (``params``) run in float8: its float32
     product (:func:`dot_general` with ``wide=True``)."""
+    del extra
     return dot_general(
         lhs,
         rhs,
@@ -541,6 +543,7 @@ def conv_product(
     rhs: jax.Array,
     params: dict[str, Any],
     *,
+    extra: tuple[Any, ...] = (),
     recipe: f8.Float8Recipe,
     formats: Sequence[Any],
     low_dtype: np.dtype,
@@ -549,6 +552,7 @@ def conv_product(
 ) -> jax.Array:
     """A ``conv_general_dilated`` equation (``params``) run in float8 (on CPU;
     see the module docstring), in float32."""
+    del extra
     return conv_general_dilated(
         lhs,
         rhs,

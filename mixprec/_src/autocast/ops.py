@@ -120,12 +120,14 @@ class Product:
         dims: ``dims(in_shapes, out_shape, params) -> dots.ProductDims``: its
             sizes for float8's skip rules, alignment advice, FLOPs and the
             axes rowwise scales are taken over.
-        low: its 16-bit formulation, ``low(lhs, rhs, params, *, low_dtype,
-            out_dtype, custom_vjp, platform, cpu_bf16, alive)``, returning
-            the product in float32 (the caller rounds it).
-        float8: its float8 formulation, ``float8(lhs, rhs, params, *, recipe,
-            formats, low_dtype, custom_vjp, platform)``, in float32; ``None``:
-            it stays in 16 bits under a float8 policy.
+        low: its 16-bit formulation, ``low(lhs, rhs, params, *, extra,
+            low_dtype, out_dtype, custom_vjp, platform, cpu_bf16, alive)``,
+            returning the product in float32 (the caller rounds it); ``extra``
+            holds the operands after the first two (a ragged dot's group
+            sizes).
+        float8: its float8 formulation, ``float8(lhs, rhs, params, *, extra,
+            recipe, formats, low_dtype, custom_vjp, platform)``, in float32;
+            ``None``: it stays in 16 bits under a float8 policy.
         rowwise: a rowwise float8 recipe scales it rowwise (else tensorwise).
         epilogue: a bias add right after it runs on its float32 product.
 
@@ -426,6 +428,7 @@ def_allow(
     ["ragged_dot_general"],
     f"grouped (MoE) matmul: a batch of matmuls ({_PT} lower_precision_fp: bmm, "
     f"baddbmm; {_TF} allow: BatchMatMulV2)",
+    product=Product(dims=dots.ragged_dot_dims, low=dots.ragged_dot_product),
 )
 
 # ------------------------------------------------------------------------ deny

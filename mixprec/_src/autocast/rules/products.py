@@ -47,7 +47,7 @@ def _low_dtype(ctx: CastContext, lhs: Any, rhs: Any) -> np.dtype | None:
 def _saturated(ctx: CastContext, vals: tuple[Any, ...], low: np.dtype) -> list[Any]:
     """Constant operands saturate instead of overflowing when rounded."""
     out = []
-    for x, m in zip(vals, ctx.marks, strict=True):
+    for x, m in zip(vals, ctx.marks[: len(vals)], strict=True):
         dt = float_dtype(x)
         if m & CONST and dt is not None and dt.itemsize > low.itemsize:
             x = itp.clip_to_range(x, low)
@@ -68,7 +68,9 @@ def _note_formulation(ctx: CastContext, low: np.dtype) -> None:
     ctx.walk.observer.on_note(ctx.walk, ctx.eqn, note)
 
 
-def _product_rule(ctx: CastContext, lhs: Any, rhs: Any, **params: Any) -> Any:
+def _product_rule(
+    ctx: CastContext, lhs: Any, rhs: Any, *extra: Any, **params: Any
+) -> Any:
     spec = ops.spec_for(ctx.eqn.primitive.name)
     assert spec is not None and spec.product is not None
     product = spec.product
@@ -81,6 +83,7 @@ def _product_rule(ctx: CastContext, lhs: Any, rhs: Any, **params: Any) -> Any:
             lhs,
             rhs,
             params,
+            extra=extra,
             recipe=d.float8,
             formats=d.operand_dtypes,
             low_dtype=ctx.low_dtype,
@@ -90,13 +93,14 @@ def _product_rule(ctx: CastContext, lhs: Any, rhs: Any, **params: Any) -> Any:
         return _rounded(ctx, product, wide, out_dtype)
     low = _low_dtype(ctx, lhs, rhs)
     if low is None:
-        return itp.default_rule(ctx.eqn.primitive, ctx, lhs, rhs, **params)
+        return itp.default_rule(ctx.eqn.primitive, ctx, lhs, rhs, *extra, **params)
     lhs, rhs = _saturated(ctx, (lhs, rhs), low)
     out_dtype = d.out_dtype or low
     wide = product.low(
         lhs,
         rhs,
         params,
+        extra=extra,
         low_dtype=low,
         out_dtype=out_dtype,
         custom_vjp=ctx.config.custom_vjp_dots,
