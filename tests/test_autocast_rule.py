@@ -360,9 +360,11 @@ def _programs():
     }
 
 
-# Primitives the CPU dot formulation and the casts add to the jaxpr by
-# themselves; every other primitive's dtypes must match the records.
+# Primitives the dot formulations and the casts add to the jaxpr by
+# themselves (`platform_index` selects a platform's formulation); every other
+# primitive's dtypes must match the records.
 _FORMULATION = {
+    "platform_index",
     "convert_element_type",
     "optimization_barrier",
     "reshape",
