@@ -439,7 +439,7 @@ def autocast(
     if policy is None:
         make(get_global_policy())  # validate the arguments now
 
-    pures: dict[Any, Callable[..., Any]] = {}
+    stateful: nnx_state.Stateful | None = None  # built at the first NNX call
     name = getattr(fn, "__name__", type(fn).__name__)
 
     @ft.wraps(fn)
@@ -468,21 +468,19 @@ def autocast(
                 return fn(*args, **kwargs)
             with jax.named_scope(regions.context_marker(config)):
                 return fn(*args, **kwargs)
-        # Flax NNX objects (among the arguments, or `fn` itself) are updated
-        # in place: run on their state and write the state back (nnx_state).
-        prepared = nnx_state.prepare(fn, args, kwargs)
-        if prepared is None:
+        # Flax NNX objects (among the arguments, `fn` itself, or returned) go
+        # in and out as under nnx.jit: updated in place, returned as the
+        # caller's objects (nnx_state).
+        if not nnx_state.is_loaded():
             return _run(fn, config, args, kwargs)
-        target, stateful = prepared
-        pure = pures.get(stateful.key)
-        if pure is None:
-            pure = nnx_state.make_pure(target, stateful.key, name)
-            pures[stateful.key] = pure
-        out, new_state = _run(
-            pure, config, (stateful.state, stateful.others), {}, state_out=True
+        nonlocal stateful
+        if stateful is None:
+            stateful = nnx_state.Stateful(fn, name)
+        return stateful(
+            lambda pure, pure_args: _run(pure, config, pure_args, {}, state_out=True),
+            args,
+            kwargs,
         )
-        stateful.write_back(new_state)
-        return out
 
     wrapped.__mixprec_autocast__ = True  # type: ignore[attr-defined]
     return wrapped  # type: ignore[return-value]
