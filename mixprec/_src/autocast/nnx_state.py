@@ -79,6 +79,19 @@ def has_nodes(tree: Any) -> bool:
     return any(is_node(x) for x in jax.tree.leaves(tree, is_leaf=is_node))
 
 
+def pure_values(tree: Any) -> Any:
+    """``tree`` with every NNX Variable replaced by its value (an optimizer
+    state held by ``nnx.Optimizer`` wraps its arrays in Variables)."""
+    nnx = _nnx()
+    if nnx is None:
+        return tree
+    return jax.tree.map(
+        lambda x: x.get_value() if isinstance(x, nnx.Variable) else x,
+        tree,
+        is_leaf=lambda x: isinstance(x, nnx.Variable),
+    )
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class _Flat:
@@ -242,3 +255,46 @@ def as_pure(
 
     pure.__name__ = name
     return pure, ([x for i, x in enumerate(leaves) if i not in slots],)
+
+
+def value_and_grad(
+    fun: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    *,
+    argnums: tuple[int, ...],
+    wrt: Any,
+) -> tuple[Any, Any]:
+    """``nnx.value_and_grad(fun, argnums=..., has_aux=True)(*args, **kwargs)``
+    differentiating the ``wrt`` Variables (default ``nnx.Param``) of the NNX
+    objects in ``args[argnums]`` (``mixprec.value_and_grad``).
+
+    The rest of the objects' state (batch statistics, RNG counters) is not
+    differentiated and is written back into them, as ``nnx.value_and_grad``
+    does; so are the objects among the other arguments and ``kwargs``.
+    """
+    nnx = _nnx()
+    n = len(args)
+    argnums = tuple(a % n for a in argnums)
+    graph = nnx.set_graph_mode.current_value()
+    updates = nnx.set_graph_updates.current_value()
+    if graph and updates:
+        diff: tuple[Any, ...] = tuple(
+            nnx.DiffState(a, nnx.Param if wrt is None else wrt) for a in argnums
+        )
+    elif wrt is None:
+        diff = argnums  # tree mode: what nnx.value_and_grad does there
+    else:
+        raise ValueError(
+            "`mixprec.value_and_grad(fn, wrt=...)` needs Flax NNX's graph mode "
+            "with graph updates (the default; `nnx.set_graph_mode(True)`, "
+            "`nnx.set_graph_updates(True)`), as `nnx.DiffState` does; got "
+            f"graph={graph}, graph_updates={updates}."
+        )
+
+    def positional(*a: Any) -> Any:
+        # Keyword arguments travel as one positional argument, so that NNX
+        # objects among them are split and written back too.
+        return fun(*a[:n], **a[n])
+
+    return nnx.value_and_grad(positional, argnums=diff, has_aux=True)(*args, kwargs)
