@@ -354,10 +354,13 @@ def autocast(
     nested autocast with its own configuration wins inside). A second call with
     the same argument types does not re-trace.
 
-    Flax NNX objects among the arguments (modules, ``nnx.Optimizer``, metrics,
-    ``nnx.Rngs``) may be updated in place by ``fn``, as under ``nnx.jit``: the
-    state they end with is written back into them, in the dtypes ``fn`` gives
-    it without autocast.
+    Flax NNX objects go in and out as under ``nnx.jit``: those among the
+    arguments (modules, ``nnx.Optimizer``, metrics, ``nnx.Rngs``) may be
+    updated in place by ``fn``, Variables and submodules added or removed
+    included, and what they end as is written back into them; NNX objects
+    ``fn`` returns are the caller's own objects when ``fn`` returns those, new
+    ones otherwise, with Variables shared as inside ``fn``. Their state keeps
+    the dtypes ``fn`` gives it without autocast.
 
     Array arguments (``jax.Array``, NumPy arrays, tracers) are traced; every
     other leaf of the arguments (Python numbers, strings, ``None``, static
