@@ -79,8 +79,11 @@ _SETTINGS = {
 }
 
 
-@pytest.mark.parametrize("transform", ["value_and_grad", "grad"])
-@pytest.mark.parametrize("setting", list(_SETTINGS))
+@pytest.mark.parametrize(
+    ("setting", "transform"),
+    [(setting, "value_and_grad") for setting in _SETTINGS]
+    + [("mixed_float16", "grad")],
+)
 def test_params_are_differentiated_and_the_rest_moves_as_nnx_value_and_grad(
     setting, transform
 ):
