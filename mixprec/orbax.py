@@ -5,9 +5,9 @@ loss scale, step counters) with orbax-checkpoint; `restore` reads it back into
 the structure of a ``target``, casting each floating leaf on restore. So a
 float32 checkpoint restores into float16/bfloat16 parameters and the reverse
 (TF1's cast-on-restore), while integer leaves (step counts, loss-scale
-counters) stay integers, and a loss scale's state is never cast (2**16 is inf
-in float16). A value too large for the dtype it is restored into is an error,
-not a silent inf.
+counters) and PRNG keys stay what they are, and a loss scale's state is never
+cast (2**16 is inf in float16). A value too large for the dtype it is restored
+into is an error, not a silent inf.
 
 A save never destroys the previous checkpoint before the new one is complete:
 orbax writes into a temporary directory and renames it when done, and
@@ -191,8 +191,21 @@ def _abstract(leaf: Any, dtype: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(tuple(leaf.shape), dtype, sharding=sharding)
 
 
+def _is_key(dtype: Any) -> bool:
+    return bool(jnp.issubdtype(dtype, jax.dtypes.prng_key))
+
+
 def _is_float(dtype: Any) -> bool:
-    return bool(jnp.issubdtype(jnp.dtype(dtype), jnp.floating))
+    return not _is_key(dtype) and bool(jnp.issubdtype(jnp.dtype(dtype), jnp.floating))
+
+
+def _stored_shape(leaf: Any) -> tuple[int, ...]:
+    """The shape ``leaf`` has in a checkpoint: a typed PRNG key array (from
+    ``jax.random.key``, ``nnx.Rngs``) is stored as its key data, one more
+    trailing axis of uint32 (2 for threefry)."""
+    if _is_key(leaf.dtype):
+        return tuple(jax.eval_shape(jax.random.key_data, leaf).shape)
+    return tuple(leaf.shape)
 
 
 def _narrow(
@@ -231,7 +244,10 @@ def restore(
     Each leaf comes back with the shape, sharding and dtype of the matching leaf
     of ``target`` (arrays or `jax.ShapeDtypeStruct`); floating leaves are cast on
     restore, so the checkpoint's dtypes need not match. Integer and boolean
-    leaves must be stored as integers/booleans and stay so. The state of a loss
+    leaves must be stored as integers/booleans and stay so. Typed PRNG keys
+    (``jax.random.key``, the state of an ``nnx.Rngs`` or ``nnx.Dropout``) are
+    stored as their key data and come back as keys of ``target``'s key type,
+    as plain orbax restores them. The state of a loss
     scale in ``target`` keeps its float32 dtype whatever ``dtype`` says (as
     `mixprec.cast_tree` does): a scale of 2**16 would be inf in float16.
 
@@ -291,7 +307,8 @@ def restore(
         _check_structure(flat_meta, flat_target, directory)
         wanted, read = {}, {}
         for key, leaf in flat_target.items():
-            want = jnp.dtype(leaf.dtype)
+            # (A PRNG key's dtype is no NumPy dtype: kept as it is.)
+            want = leaf.dtype if _is_key(leaf.dtype) else jnp.dtype(leaf.dtype)
             if want_dtype is not None and _is_float(want) and flat_castable[key]:
                 want = want_dtype
             wanted[key] = want
@@ -400,17 +417,21 @@ def _check_structure(
     for key, leaf in target.items():
         m = saved[key]
         shape = getattr(m, "shape", None)
-        if (
-            shape is not None
-            and hasattr(leaf, "shape")
-            and tuple(shape) != tuple(leaf.shape)
-        ):
+        if shape is not None and tuple(shape) != _stored_shape(leaf):
+            what = (
+                f"{tuple(leaf.shape)} in `target`"
+                if not _is_key(leaf.dtype)
+                else f"{_stored_shape(leaf)} as the key data of `target`'s "
+                f"{leaf.dtype} keys of shape {tuple(leaf.shape)}"
+            )
             raise ValueError(
                 f"`mixprec.orbax.restore`: {_path(key)!r} has shape {tuple(shape)} "
-                f"in the checkpoint but {tuple(leaf.shape)} in `target`."
+                f"in the checkpoint but {what}."
             )
         saved_dtype = getattr(m, "dtype", None)
-        if saved_dtype is None or not hasattr(leaf, "dtype"):
+        if saved_dtype is None or _is_key(leaf.dtype):
+            # A PRNG key is stored as its (integer) key data; orbax rebuilds
+            # the key from `target`'s key type.
             continue
         saved_float = jnp.issubdtype(jnp.dtype(saved_dtype), jnp.inexact)
         target_float = jnp.issubdtype(jnp.dtype(leaf.dtype), jnp.inexact)

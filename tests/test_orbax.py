@@ -1,9 +1,12 @@
 """Tests for `mixprec.orbax` with real orbax-checkpoint in a temporary directory."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 from helpers import assert_tree_dtypes
 
@@ -321,3 +324,99 @@ def test_swap_interrupted_between_renames_names_both(tmp_path):
         mpk.restore(path, _v1())
     assert int(mpk.restore(tmp_path / "ckpt.mixprec-old", _v1())["step"]) == 1
     assert int(mpk.restore(tmp_path / "ckpt.mixprec-new", _v1())["step"]) == 2
+
+
+# --- Typed PRNG keys (jax.random.key, nnx.Rngs, Dropout) -----------------------
+#
+# The rule: typed PRNG key leaves round-trip as plain orbax round-trips them
+# (stored as their key data, rebuilt with `target`'s key type), with and
+# without dtype conversion of the floating leaves.
+
+
+def _key_state(impl, seed):
+    key = jax.random.key(seed, impl=impl)
+    return {
+        "key": key,
+        "keys": jax.random.split(jax.random.fold_in(key, 1), 3),
+        "w": jax.random.normal(jax.random.fold_in(key, 2), (4, 3)),
+        "count": jnp.uint32(seed),
+    }
+
+
+def _key_bits(x):
+    return np.asarray(jax.random.key_data(x)).tolist()
+
+
+@pytest.mark.parametrize("dtype", [None, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
+@pytest.mark.parametrize("abstract", [False, True])
+def test_typed_prng_keys_round_trip(tmp_path, impl, dtype, abstract):
+    state = _key_state(impl, 7)
+    mpk.save(tmp_path / "ckpt", state)
+    target = _key_state(impl, 0)
+    if abstract:
+        target = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+            target,
+        )
+    out = mpk.restore(tmp_path / "ckpt", target, dtype=dtype)
+    # What plain orbax gives for the same checkpoint and target.
+    with ocp.StandardCheckpointer() as ckptr:
+        plain = ckptr.restore(tmp_path / "ckpt", _key_state(impl, 0))
+    for name in ("key", "keys"):
+        assert out[name].dtype == state[name].dtype == plain[name].dtype
+        assert out[name].shape == state[name].shape
+        assert jax.random.key_impl(out[name]) == jax.random.key_impl(state[name])
+        assert _key_bits(out[name]) == _key_bits(state[name]) == _key_bits(plain[name])
+    # The restored key draws what the saved one draws.
+    np.testing.assert_array_equal(
+        jax.random.normal(out["key"], (5,)), jax.random.normal(state["key"], (5,))
+    )
+    assert out["w"].dtype == jnp.dtype(dtype or jnp.float32)
+    np.testing.assert_array_equal(out["w"], state["w"].astype(out["w"].dtype))
+    assert out["count"].dtype == jnp.uint32 and int(out["count"]) == 7
+
+
+def test_a_key_of_another_implementation_is_a_shape_error(tmp_path):
+    mpk.save(tmp_path / "ckpt", {"key": jax.random.key(0)})  # threefry: 2 words
+    with pytest.raises(ValueError, match=r"'key' has shape \(2,\) in the checkpoint"):
+        mpk.restore(tmp_path / "ckpt", {"key": jax.random.key(0, impl="rbg")})
+
+
+@pytest.mark.standard_promotion  # Flax's BatchNorm
+@pytest.mark.parametrize("dtype", [None, jnp.bfloat16])
+def test_nnx_model_with_dropout_and_rngs_round_trips(tmp_path, dtype):
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(4, 8, rngs=rngs)
+            self.bn = nnx.BatchNorm(8, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+            self.rngs = rngs
+
+        def __call__(self, x):
+            noise = jax.random.normal(self.rngs.noise(), x.shape)
+            return self.drop(self.bn(self.lin(x + noise)))
+
+    x = jnp.ones((6, 4))
+    model = Net(nnx.Rngs(0, dropout=1, noise=2))
+    model(x)  # moves the counters and the batch statistics
+    mpk.save(tmp_path / "ckpt", nnx.state(model))
+    fresh = Net(nnx.Rngs(5, dropout=6, noise=7))
+    restored = mpk.restore(tmp_path / "ckpt", nnx.state(fresh), dtype=dtype)
+    nnx.update(fresh, restored)
+    want = nnx.to_pure_dict(nnx.state(model))
+    got = nnx.to_pure_dict(nnx.state(fresh))
+    for path, leaf in jax.tree_util.tree_leaves_with_path(got):
+        ref = functools.reduce(lambda t, k: t[k.key], path, want)
+        if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            assert _key_bits(leaf) == _key_bits(ref)
+        elif jnp.issubdtype(leaf.dtype, jnp.floating):
+            assert leaf.dtype == jnp.dtype(dtype or jnp.float32)
+            np.testing.assert_array_equal(leaf, jnp.asarray(ref).astype(leaf.dtype))
+        else:
+            assert leaf.dtype == ref.dtype
+            np.testing.assert_array_equal(leaf, ref)
+    if dtype is None:  # the restored model draws the same noise and masks
+        np.testing.assert_array_equal(fresh(x), model(x))

@@ -6,6 +6,11 @@ gradients are unscaled in float32 with the *same* scale that multiplied the loss
 then cast to the dtype of the differentiated argument's leaves, so float32 master
 weights get float32 gradients. The finite flag is computed on the gradients that
 are returned.
+
+Flax NNX objects among the arguments are handled as ``nnx.value_and_grad``
+handles them: only their ``nnx.Param`` state (or what ``wrt`` selects) is
+differentiated, and the rest (batch statistics, RNG counters, metrics) is
+updated in place. Flax is not imported unless the caller has imported it.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from .autocast import nnx_state
 from .casting import is_floating_array
 from .loss_scale import LossScale, all_finite
 
@@ -45,6 +51,8 @@ def _find_loss_scale(obj: Any, *, fn_name: str) -> LossScale:
     """
     if isinstance(obj, LossScale):
         return obj
+    # The state of an `nnx.Optimizer` holds its arrays in Variables.
+    obj = nnx_state.pure_values(obj)
     for check in _state_checks:
         check(obj, f"{fn_name}(...)(*args, loss_scale=opt_state)")
     found = [
@@ -98,6 +106,7 @@ def _loss_scaled_value_and_grad(
     *,
     argnums: int | Sequence[int],
     has_aux: bool,
+    wrt: Any,
     fn_name: str,
 ) -> Callable[..., tuple[Any, Any, jax.Array]]:
     argnums_t = _as_tuple(argnums, fn_name=fn_name)
@@ -112,6 +121,14 @@ def _loss_scaled_value_and_grad(
                     f"argument {a}, but the wrapped function was called with "
                     f"{len(args)} positional argument(s)."
                 )
+        nnx_args = nnx_state.has_nodes((args, kwargs))
+        if wrt is not None and not nnx_state.has_nodes([args[a] for a in argnums_t]):
+            raise ValueError(
+                f"`{fn_name}(fn, wrt=...)` selects the Variables of Flax NNX "
+                "objects to differentiate, but the differentiated argument(s) "
+                f"(argnums={argnums!r}) hold no NNX object. Leave `wrt` unset, "
+                "or pass the NNX model there."
+            )
 
         def scaled_fun(*args: Any, **kwargs: Any):
             out = fun(*args, **kwargs)
@@ -135,13 +152,20 @@ def _loss_scaled_value_and_grad(
             scaled = scale.scale(loss.astype(jnp.float32))
             return scaled, (loss, aux)
 
-        vg = jax.value_and_grad(scaled_fun, argnums=argnums_t, has_aux=True)
-        (_, (loss, aux)), grads = vg(*args, **kwargs)
+        if nnx_args:
+            # As nnx.value_and_grad: Params differentiated, the rest of the
+            # objects' state written back (batch statistics, RNG counters).
+            (_, (loss, aux)), grads = nnx_state.value_and_grad(
+                scaled_fun, args, kwargs, argnums=argnums_t, wrt=wrt
+            )
+        else:
+            vg = jax.value_and_grad(scaled_fun, argnums=argnums_t, has_aux=True)
+            (_, (loss, aux)), grads = vg(*args, **kwargs)
         # Unscale in float32 with the scale that multiplied the loss, then cast
-        # each gradient leaf to the dtype of its parameter.
-        grads = scale.unscale(jax.tree.map(_upcast, grads))
-        primals = tuple(args[a] for a in argnums_t)
-        grads = jax.tree.map(_cast_like, grads, primals)
+        # each gradient leaf back to its dtype (JAX gives a gradient the dtype
+        # of its parameter).
+        unscaled = scale.unscale(jax.tree.map(_upcast, grads))
+        grads = jax.tree.map(_cast_like, unscaled, grads)
         finite = all_finite(grads)
         if isinstance(argnums, int):
             grads = grads[0]
@@ -156,6 +180,7 @@ def value_and_grad(
     *,
     has_aux: bool = False,
     argnums: int | Sequence[int] = 0,
+    wrt: Any = None,
 ) -> Callable[..., tuple[Any, Any, jax.Array]]:
     """Loss-scaled `jax.value_and_grad` that returns true gradients and a finite flag.
 
@@ -169,24 +194,42 @@ def value_and_grad(
     ``loss_scale = loss_scale.adjust(grads_finite)``, or let
     `mixprec.optax.loss_scaled` do both.
 
+    Flax NNX objects (modules, ``nnx.Rngs``, metrics) among the arguments are
+    handled as ``nnx.value_and_grad`` handles them: of an NNX object in a
+    differentiated argument only the ``nnx.Param`` Variables (or those ``wrt``
+    selects) are differentiated, and their gradients come back as an
+    ``nnx.State``, ready for ``nnx.Optimizer.update``. The rest of the
+    objects' state (batch statistics, ``Dropout``'s RNG counters) is not
+    differentiated and is written back into the objects, as ``fun`` leaves
+    it.
+
     Args:
       fun: a function returning a scalar floating loss, or ``(loss, aux)`` when
         ``has_aux`` is true.
       has_aux: whether ``fun`` returns ``(loss, aux)``.
       argnums: which positional argument(s) to differentiate.
+      wrt: which Variables of the NNX objects in the differentiated arguments
+        to differentiate: a Flax NNX filter (a Variable type such as
+        ``nnx.Param``, ``nnx.LoRAParam``, a path regex, ``nnx.All(...)``), as
+        ``nnx.Optimizer(..., wrt=...)`` and ``nnx.DiffState`` take it. None:
+        ``nnx.Param``. Only for NNX objects.
 
     Returns:
       ``wrapped(*args, loss_scale, **kwargs) -> (value, grads, grads_finite)`` where
       ``value`` is the unscaled ``loss`` (or ``(loss, aux)``), ``grads`` has the
       structure of ``args[argnums]`` (a tuple of those if ``argnums`` is a
-      sequence) and ``grads_finite`` is a boolean scalar array. ``loss_scale`` is a
+      sequence; an ``nnx.State`` of the differentiated Variables for an NNX
+      object) and ``grads_finite`` is a boolean scalar array. ``loss_scale`` is a
       mixprec loss scale, or a pytree that holds exactly one (such as the state of
-      a `mixprec.optax.loss_scaled` optimizer): then the scale used is always the
-      one the optimizer adjusts.
+      a `mixprec.optax.loss_scaled` optimizer, also inside an ``nnx.Optimizer``:
+      ``loss_scale=optimizer.opt_state``): then the scale used is always the one
+      the optimizer adjusts.
 
     Raises:
       TypeError: if ``loss_scale`` holds no loss scale, or ``fun`` does not return
         a scalar floating loss.
+      ValueError: if ``argnums`` names an argument the call does not have, or
+        ``wrt`` is given and the differentiated arguments hold no NNX object.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -209,9 +252,31 @@ def value_and_grad(
       >>> _, grads, finite = mixprec.value_and_grad(loss_fn)(w, x, loss_scale=big)
       >>> finite, big.adjust(finite).loss_scale
       (Array(False, dtype=bool), Array(16384., dtype=float32))
+
+      A Flax NNX model with batch norm and dropout: the Params get gradients,
+      the batch statistics and the dropout RNG counter move in place:
+
+      >>> from flax import nnx
+      >>> model = nnx.Sequential(
+      ...     nnx.Linear(2, 4, rngs=nnx.Rngs(0)),
+      ...     nnx.BatchNorm(4, rngs=nnx.Rngs(0)),
+      ...     nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=1)),
+      ... )
+      >>> mse = lambda model, x: jnp.mean(model(x) ** 2)
+      >>> loss, grads, finite = mixprec.value_and_grad(
+      ...     mixprec.autocast(mse, "mixed_float16")
+      ... )(model, x, loss_scale=scale)
+      >>> sorted(grads["layers"][1]), grads["layers"][0]["kernel"][...].dtype
+      (['bias', 'scale'], dtype('float32'))
+      >>> int(model.layers[2].rngs.count[...]), bool(finite)
+      (1, True)
     """
     return _loss_scaled_value_and_grad(
-        fun, argnums=argnums, has_aux=has_aux, fn_name="mixprec.value_and_grad"
+        fun,
+        argnums=argnums,
+        has_aux=has_aux,
+        wrt=wrt,
+        fn_name="mixprec.value_and_grad",
     )
 
 
@@ -220,14 +285,21 @@ def grad(
     *,
     has_aux: bool = False,
     argnums: int | Sequence[int] = 0,
+    wrt: Any = None,
 ) -> Callable[..., tuple[Any, ...]]:
     """Loss-scaled `jax.grad`: like `value_and_grad` without the loss.
+
+    Flax NNX objects are handled as by `value_and_grad` (and ``nnx.grad``):
+    their ``nnx.Param`` state (or what ``wrt`` selects) is differentiated, the
+    rest written back into them.
 
     Args:
       fun: a function returning a scalar floating loss, or ``(loss, aux)`` when
         ``has_aux`` is true.
       has_aux: whether ``fun`` returns ``(loss, aux)``.
       argnums: which positional argument(s) to differentiate.
+      wrt: a Flax NNX filter of the Variables to differentiate (see
+        `value_and_grad`); None: ``nnx.Param``.
 
     Returns:
       ``wrapped(*args, loss_scale, **kwargs)`` returning ``(grads, grads_finite)``,
@@ -245,7 +317,7 @@ def grad(
       (Array([2., 2., 2.], dtype=float32), Array(True, dtype=bool))
     """
     vg = _loss_scaled_value_and_grad(
-        fun, argnums=argnums, has_aux=has_aux, fn_name="mixprec.grad"
+        fun, argnums=argnums, has_aux=has_aux, wrt=wrt, fn_name="mixprec.grad"
     )
 
     @ft.wraps(fun)

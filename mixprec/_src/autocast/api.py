@@ -431,10 +431,13 @@ def autocast(
     nested autocast with its own configuration wins inside). A second call with
     the same argument types does not re-trace.
 
-    Flax NNX objects among the arguments (modules, ``nnx.Optimizer``, metrics,
-    ``nnx.Rngs``) may be updated in place by ``fn``, as under ``nnx.jit``: the
-    state they end with is written back into them, in the dtypes ``fn`` gives
-    it without autocast.
+    Flax NNX objects go in and out as under ``nnx.jit``: those among the
+    arguments (modules, ``nnx.Optimizer``, metrics, ``nnx.Rngs``) may be
+    updated in place by ``fn``, Variables and submodules added or removed
+    included, and what they end as is written back into them; NNX objects
+    ``fn`` returns are the caller's own objects when ``fn`` returns those, new
+    ones otherwise, with Variables shared as inside ``fn``. Their state keeps
+    the dtypes ``fn`` gives it without autocast.
 
     Array arguments (``jax.Array``, NumPy arrays, tracers) are traced; every
     other leaf of the arguments (Python numbers, strings, ``None``, static
@@ -516,7 +519,7 @@ def autocast(
     if policy is None:
         make(get_global_policy())  # validate the arguments now
 
-    pures: dict[Any, Callable[..., Any]] = {}
+    stateful: nnx_state.Stateful | None = None  # built at the first NNX call
     name = getattr(fn, "__name__", type(fn).__name__)
 
     @ft.wraps(fn)
@@ -548,21 +551,19 @@ def autocast(
                 return fn(*args, **kwargs)
             with jax.named_scope(regions.context_marker(config)):
                 return fn(*args, **kwargs)
-        # Flax NNX objects (among the arguments, or `fn` itself) are updated
-        # in place: run on their state and write the state back (nnx_state).
-        prepared = nnx_state.prepare(fn, args, kwargs)
-        if prepared is None:
+        # Flax NNX objects (among the arguments, `fn` itself, or returned) go
+        # in and out as under nnx.jit: updated in place, returned as the
+        # caller's objects (nnx_state).
+        if not nnx_state.is_loaded():
             return _run(fn, config, args, kwargs)
-        target, stateful = prepared
-        pure = pures.get(stateful.key)
-        if pure is None:
-            pure = nnx_state.make_pure(target, stateful.key, name)
-            pures[stateful.key] = pure
-        out, new_state = _run(
-            pure, config, (stateful.state, stateful.others), {}, state_out=True
+        nonlocal stateful
+        if stateful is None:
+            stateful = nnx_state.Stateful(fn, name)
+        return stateful(
+            lambda pure, pure_args: _run(pure, config, pure_args, {}, state_out=True),
+            args,
+            kwargs,
         )
-        stateful.write_back(new_state)
-        return out
 
     wrapped.__mixprec_autocast__ = True  # type: ignore[attr-defined]
     return wrapped  # type: ignore[return-value]
