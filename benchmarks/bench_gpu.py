@@ -67,6 +67,7 @@ import argparse
 import dataclasses
 import functools as ft
 import importlib.metadata
+import importlib.util
 import json
 import math
 import os
@@ -126,6 +127,7 @@ EARLIER_H100_MS = {
     "torch_bf16_compile": 20.8,
 }
 
+TORCH_MISSING = "torch is not installed (pip install torch)"
 WORKLOADS = ("gpt2", "mlp", "float8")
 SIZES = ("gpu", "tiny")
 STATUSES = ("ok", "failed", "timeout", "skipped", "not_run")
@@ -158,7 +160,9 @@ VARIANTS: dict[str, Variant] = {
         Variant("jax_f32", "jax", _MODELS, "float32 jax.numpy, default precision"),
         Variant("flax_f32", "jax", _MODELS, "Flax linen, float32"),
         Variant("flax_bf16", "jax", _MODELS, "Flax linen, dtype=bfloat16"),
-        Variant("hand_bf16", "jax", _MODELS, "bfloat16 by hand, einsum attention"),
+        Variant(
+            "hand_bf16", "jax", _MODELS, "bfloat16 by hand (GPT-2: einsum attention)"
+        ),
         Variant(
             "hand_bf16_cudnn",
             "jax",
@@ -189,14 +193,12 @@ VARIANTS: dict[str, Variant] = {
             "autocast of float32 code calling jax.nn.dot_product_attention",
         ),
         Variant("torch_f32", "torch", _MODELS, "PyTorch float32, eager"),
-        Variant(
-            "torch_bf16", "torch", _MODELS, "torch.autocast(bfloat16), eager, SDPA"
-        ),
+        Variant("torch_bf16", "torch", _MODELS, "torch.autocast(bfloat16), eager"),
         Variant(
             "torch_bf16_compile",
             "torch",
             _MODELS,
-            "torch.autocast(bfloat16) + torch.compile, SDPA",
+            "torch.autocast(bfloat16) + torch.compile",
         ),
         Variant("gemm_bf16", "jax", ("float8",), "bf16 x bf16 -> bf16"),
         Variant(
@@ -827,7 +829,7 @@ def run_torch(spec: dict[str, Any], row: dict[str, Any]) -> None:
     try:
         import torch
     except ImportError:
-        raise Skip("torch is not installed (pip install torch)") from None
+        raise Skip(TORCH_MISSING) from None
     workload, variant = spec["workload"], spec["variant"]
     cfg = sizes(spec["size"])[workload]
     cuda = torch.cuda.is_available()
@@ -1239,7 +1241,7 @@ def fmt_tables(data: dict[str, Any]) -> str:
                 out.append(
                     f"| {r['variant']} | {how} | {r['status']} "
                     f"| {_fmt(r.get('ms_per_step'), '.3f')} "
-                    f"| {_fmt(r.get('tflops'), '.1f')} "
+                    f"| {_fmt(r.get('tflops'), '.3g')} "
                     f"| {_bytes(r.get('peak_bytes')) if ok else ''} "
                     f"| {_fmt(r.get('rel_error_vs_f32'), '.2e')} "
                     f"| {r.get('out_dtype', '')} | {gemm_text(r.get('hlo'))} | {note} |"
@@ -1298,7 +1300,9 @@ def header(data: dict[str, Any]) -> str:
         f"{env.get('cpu_count')} CPUs, flags: {flags}), "
         f"jax {v.get('jax')}, jaxlib {v.get('jaxlib')}, flax {v.get('flax')}, "
         f"optax {v.get('optax')}, torch {v.get('torch')}; load average "
-        f"{(env.get('loadavg') or ['?'])[0]}. Command: `{cfg['command']}`."
+        f"{(env.get('loadavg') or ['?'])[0]} -> "
+        f"{(cfg.get('loadavg_end') or ['?'])[0]}. "
+        f"Command: `{cfg['command']}`."
     )
 
 
@@ -1580,7 +1584,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         elapsed = time.perf_counter() - t_start
         left = math.inf if args.budget_s is None else args.budget_s - elapsed
-        if left < 10:
+        if fw == "torch" and importlib.util.find_spec("torch") is None:
+            row.update(status="skipped", reason=TORCH_MISSING)
+        elif left < 10:
             row.update(
                 status="not_run",
                 reason=f"--budget-s {args.budget_s:g}: {max(left, 0):.0f} s left at "
@@ -1632,6 +1638,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             flush=True,
         )
     data["config"]["wall_s"] = round(time.perf_counter() - t_start, 1)
+    try:
+        data["config"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    except OSError:  # not available on this platform
+        pass
     table = write(data, out_path)
     print(f"wrote {os.path.relpath(out_path)} and its .md")
     print(table)

@@ -40,6 +40,7 @@ bench = _bench()
 # --- the script, end to end ------------------------------------------------------
 
 
+@pytest.mark.slow  # three processes, two XLA compiles: ~15 s on two idle cores
 def test_tiny_run_writes_json_and_losses_agree(tmp_path):
     out = tmp_path / "bench.json"
     # LLVM's optimization level 0: the steps run slower, XLA compiles ~40% faster.
