@@ -1118,6 +1118,11 @@ def run_worker(
 # ----------------------------------------------------------------------------- parent
 
 
+def is_gpu(env: dict[str, Any]) -> bool:
+    """Whether an environment record (:func:`info`) was taken on a GPU."""
+    return env.get("backend") in ("gpu", "cuda", "rocm")
+
+
 def peak_tflops(device_kind: str, override: float | None) -> tuple[float | None, str]:
     """The bfloat16 dense peak to compute MFU against, and where it came from.
 
@@ -1152,7 +1157,7 @@ def device_slug(device_kind: str) -> str:
 def annotate(data: dict[str, Any]) -> None:
     """Derived numbers of every row: MFU, the loss difference to ``jax_f32``."""
     peak = data["config"].get("peak_tflops")
-    on_gpu = data["environment"].get("backend") == "gpu"
+    on_gpu = is_gpu(data["environment"])
     base = {
         r["workload"]: r
         for r in data["results"]
@@ -1196,7 +1201,7 @@ def _bytes(n: int | None) -> str:
 def fmt_tables(data: dict[str, Any]) -> str:
     """The Markdown tables of a run: one per workload, and a legend."""
     cfg = data["config"]
-    on_gpu = data["environment"].get("backend") == "gpu"
+    on_gpu = is_gpu(data["environment"])
     n_loss = cfg["loss_steps"]
     out: list[str] = []
     for w in WORKLOADS:
@@ -1521,7 +1526,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if env_info is None:
         print(f"error: the info worker failed: {error_line(out)}", file=sys.stderr)
         return 1
-    on_gpu = env_info["backend"] == "gpu"
+    on_gpu = is_gpu(env_info)
     size = args.size or ("gpu" if on_gpu else "tiny")
     default_size = "gpu" if on_gpu else "tiny"
     peak, peak_source = peak_tflops(env_info["device_kind"], args.peak_tflops)

@@ -306,3 +306,38 @@ def test_error_line_finds_the_exception_in_a_crash_log():
     log += "some trailing noise\n"
     assert bench.error_line(log).startswith("jaxlib.xla_extension.XlaRuntimeError: ")
     assert bench.error_line("") == "no output"
+
+
+def test_gpu_rows_get_mfu_and_the_earlier_reference_column(tmp_path):
+    # A synthetic GPU result (no GPU here): what the parent derives and prints.
+    flops = gpt2.SMALL.flops_per_token() * 8 * 1024
+    row = dict(workload="gpt2", framework="jax", status="ok", flops_per_step=flops)
+    data = dict(
+        environment=dict(backend="gpu", device_kind="NVIDIA H100 80GB HBM3"),
+        config=dict(
+            size="gpu",
+            steps=10,
+            rounds=3,
+            loss_steps=10,
+            warmup=2,
+            peak_tflops=989.0,
+            peak_source="table: H100",
+            command="python benchmarks/bench_gpu.py",
+            workloads={"gpt2": {"batch": 8}},
+        ),
+        results=[
+            dict(row, variant="jax_f32", ms_per_step=40.0, losses=[10.9, 9.0]),
+            dict(row, variant="mixprec_loss", ms_per_step=20.0, losses=[10.9, 9.1]),
+            dict(row, variant="hand_bf16_cudnn", status="failed", reason="E: x"),
+        ],
+    )
+    table = bench.write(data, str(tmp_path / "r.json"))
+    f32, mixed, failed = data["results"]
+    assert mixed["mfu"] == pytest.approx(flops / 0.020 / 989e12)
+    assert 0.3 < mixed["mfu"] < 0.4 and f32["mfu"] == pytest.approx(mixed["mfu"] / 2)
+    assert mixed["loss_diff_vs_f32"] == pytest.approx(0.1)
+    assert "mfu" not in failed
+    assert "earlier H100 ms (not this run)" in table
+    assert "| mixprec_loss |" in table and "| 31.9 |" in table and "35.4%" in table
+    assert "| hand_bf16_cudnn |" in table and "E: x" in table
+    assert json.loads((tmp_path / "r.json").read_text())["results"][1]["mfu"] > 0
