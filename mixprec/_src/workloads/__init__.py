@@ -1,0 +1,1 @@
+"""Workloads (models, data, FLOP counts) shared by the benchmarks and the CLI."""
