@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import optax
 
 from ._src import training
+from ._src.autocast import nnx_state
 from ._src.casting import is_floating_array
 from ._src.loss_scale import DynamicLossScale, LossScale, all_finite
 
@@ -349,6 +350,8 @@ training.register_state_check(_check_no_multisteps_around)
 
 
 def _the_state(state: Any, fn_name: str) -> LossScaledState:
+    # An `nnx.Optimizer` holds its state in Variables: read their values.
+    state = nnx_state.pure_values(state)
     _check_no_multisteps_around(state, f"mixprec.optax.{fn_name}(state)")
     found = _find_states(state)
     if len(found) != 1:

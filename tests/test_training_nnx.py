@@ -242,3 +242,20 @@ def test_float16_loss_scaled_training_with_batchnorm_and_dropout_matches_float32
     assert int(model.drop.rngs.count[...]) == steps
     stats = mixprec.optax.loss_scale_stats(nnx.as_pure(optimizer.opt_state))
     assert float(stats["loss_scale"]) >= 2.0**15 and int(stats["num_skipped"]) == 0
+
+
+def test_loss_scale_stats_read_an_nnx_optimizers_state():
+    # nnx.Optimizer keeps its optax state in Variables: the stats are read
+    # through them, as plain arrays, and agree with the pure state's.
+    model = _model()
+    optimizer = nnx.Optimizer(
+        model,
+        mixprec.optax.loss_scaled(optax.adam(1e-3), mixprec.DynamicLossScale(2.0**10)),
+        wrt=nnx.Param,
+    )
+    stats = mixprec.optax.loss_scale_stats(optimizer.opt_state)
+    assert all(isinstance(v, jax.Array) for v in stats.values()), stats
+    assert float(stats["loss_scale"]) == 2.0**10
+    assert int(stats["num_skipped"]) == 0
+    scale = mixprec.optax.current_loss_scale(optimizer.opt_state)
+    assert float(scale.loss_scale) == 2.0**10
