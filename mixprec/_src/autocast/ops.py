@@ -521,6 +521,12 @@ def_deny(
     f"lists, and {_TF} leaves unlisted ops in float32",
 )
 def_deny(
+    ["polynomial"],
+    "polynomial evaluation (Horner's rule, `lax.polynomial`): JAX's series "
+    "approximations of special functions (erf, the chi-squared sampler) and "
+    "`jnp.polyval`; float32 like those",
+)
+def_deny(
     ["fft"],
     f"FFT: {_PT} CPU fp32 (fft_fft, fft_rfft, ...); complex results have no 16-bit "
     "dtype in JAX",
@@ -827,6 +833,9 @@ def_clear(
         "unreduced_reduce_scatter_start",
         "reduced_vary_cast_p",
         "vary_unreduced_cast_p",
+        "reduced_vary_cast",
+        "vary_unreduced_cast",
+        "pbroadcast_dynamic",
         "unreduced_pmax",
         "unreduced_pmin",
         "host_local_array_to_global_array",
