@@ -1,15 +1,22 @@
 #!/usr/bin/env bash
-# Creates .venv (Python >= 3.11) with mixprec and every optional extra installed.
+# Creates a virtual environment (default .venv, Python >= 3.11) with mixprec and
+# every optional extra installed.
 # Usage: bash scripts/setup.sh [--tests]   (--tests adds pytest, hypothesis, ruff, pyright)
+# Environment: PYTHON (interpreter, default python3), VENV (default .venv),
+# JAX_VERSION (pin jax and jaxlib, e.g. 0.11.2; JAX >= 0.11 needs Python >= 3.12).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv .venv
+VENV=${VENV:-.venv}
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
 fi
-.venv/bin/python -m pip install -q --upgrade "pip>=25.1"
+"$VENV/bin/python" -m pip install -q --upgrade "pip>=25.1"
 if [ "${1:-}" = "--tests" ]; then
-  .venv/bin/python -m pip install -q -e ".[all]" --group tests --group dev
+  "$VENV/bin/python" -m pip install -q -e ".[all]" --group tests --group dev
 else
-  .venv/bin/python -m pip install -q -e ".[all]"
+  "$VENV/bin/python" -m pip install -q -e ".[all]"
+fi
+if [ -n "${JAX_VERSION:-}" ]; then
+  "$VENV/bin/python" -m pip install -q "jax==$JAX_VERSION" "jaxlib==$JAX_VERSION"
 fi
