@@ -911,7 +911,9 @@ def _explicit_accelerator(
     return res.astype(_F32)
 
 
-def conv_note(low_dtype: DTypeLike, *, platform: str | None = None) -> str:
+def conv_note(
+    low_dtype: DTypeLike, *, platform: str | None = None, cpu_bf16: str | None = None
+) -> str:
     """One sentence for reports on how :func:`conv_general_dilated` runs.
 
     Examples:
@@ -919,6 +921,7 @@ def conv_note(low_dtype: DTypeLike, *, platform: str | None = None) -> str:
       >>> print(conv_note(jnp.bfloat16, platform="cpu"))
       Convolutions: XLA:CPU has no bfloat16 convolution kernel: ...
     """
+    del cpu_bf16  # one CPU formulation for convolutions
     name = np.dtype(low_dtype).name
     plat = canonical_platform(platform)
     accel = f"{name} x {name} -> {name}, native on GPUs and TPUs."

@@ -130,6 +130,8 @@ class Product:
             ``None``: it stays in 16 bits under a float8 policy.
         rowwise: a rowwise float8 recipe scales it rowwise (else tensorwise).
         epilogue: a bias add right after it runs on its float32 product.
+        note: ``note(low_dtype, *, platform, cpu_bf16) -> str``: one sentence
+            for reports on how each platform runs it in ``low_dtype``.
 
     Examples:
         >>> product = spec_for("dot_general").product
@@ -143,6 +145,7 @@ class Product:
     float8: Callable[..., Any] | None = None
     rowwise: bool = True
     epilogue: bool = True
+    note: Callable[..., str] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -409,6 +412,7 @@ def_allow(
         dims=dots.dot_general_dims,
         low=dots.dot_general_product,
         float8=float8_dots.dot_general_product,
+        note=dots.formulation_note,
     ),
 )
 def_allow(
@@ -422,6 +426,7 @@ def_allow(
         float8=float8_dots.conv_product,
         rowwise=False,
         epilogue=False,
+        note=dots.conv_note,
     ),
 )
 def_allow(

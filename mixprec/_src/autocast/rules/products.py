@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from jax import lax
 
-from mixprec._src.autocast import dots, interpreter as itp, ops
+from mixprec._src.autocast import interpreter as itp, ops
 from mixprec._src.autocast.avals import float_dtype
 from mixprec._src.autocast.decide import CONST, INPUT, Precision
 from mixprec._src.autocast.interpreter import CastContext
@@ -55,16 +55,11 @@ def _saturated(ctx: CastContext, vals: tuple[Any, ...], low: np.dtype) -> list[A
     return out
 
 
-def _note_formulation(ctx: CastContext, low: np.dtype) -> None:
+def _note_formulation(ctx: CastContext, product: ops.Product, low: np.dtype) -> None:
     """Tells an observer (``explain``) how each platform runs this product."""
-    if ctx.walk.observer is None:
+    if ctx.walk.observer is None or product.note is None:
         return
-    if ctx.eqn.primitive.name == "conv_general_dilated":
-        note = dots.conv_note(low, platform=ctx.platform)
-    else:
-        note = dots.formulation_note(
-            low, platform=ctx.platform, cpu_bf16=ctx.config.cpu_bf16
-        )
+    note = product.note(low, platform=ctx.platform, cpu_bf16=ctx.config.cpu_bf16)
     ctx.walk.observer.on_note(ctx.walk, ctx.eqn, note)
 
 
@@ -108,7 +103,7 @@ def _product_rule(
         cpu_bf16=ctx.config.cpu_bf16,
         alive=(bool(ctx.marks[0] & INPUT), bool(ctx.marks[1] & INPUT)),
     )
-    _note_formulation(ctx, low)
+    _note_formulation(ctx, product, low)
     return _rounded(ctx, product, wide, out_dtype)
 
 
