@@ -1,17 +1,19 @@
 """Tests for the `mixprec` command line: flags, errors and exit statuses, help, and
 a tiny demo and bench end to end."""
 
+import ast
 import importlib.util
 import json
 import math
 import os
+import pathlib
 import subprocess
 import sys
 
 import pytest
 
 from mixprec._src.cli import bench, main as cli
-from mixprec._src.cli.demo import train
+from mixprec._src.workloads import train
 
 
 def test_help_lists_subcommands_and_exit_statuses(capsys):
@@ -215,8 +217,9 @@ def test_importing_the_cli_does_no_work():
     code = (
         "import sys, mixprec._src.cli.main; "
         "print(sorted(m for m in ('rich', 'matplotlib', 'optax', 'mlxtend', 'flax', "
-        "'mixprec._src.cli.demo', 'mixprec._src.cli.models', "
-        "'mixprec._src.cli.numerics') if m in sys.modules))"
+        "'mixprec._src.cli.demo', 'mixprec._src.cli.numerics', "
+        "'mixprec._src.cli.bench', 'mixprec._src.workloads.models', "
+        "'mixprec._src.workloads.train') if m in sys.modules))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code],
@@ -226,6 +229,99 @@ def test_importing_the_cli_does_no_work():
         timeout=120,
     ).stdout
     assert out.strip() == "[]"
+
+
+_SRC = pathlib.Path(__file__).resolve().parent.parent / "mixprec" / "_src"
+
+
+def _modules(*packages: str) -> dict[str, pathlib.Path]:
+    """``dotted name -> file`` of every module under ``mixprec/_src/<package>``."""
+    out = {}
+    for package in packages:
+        for path in sorted((_SRC / package).rglob("*.py")):
+            parts = path.relative_to(_SRC.parent.parent).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            out[name] = path
+    return out
+
+
+def _import_graph(modules: dict[str, pathlib.Path]) -> dict[str, set[str]]:
+    """Which of ``modules`` each one imports, at the top or inside a function."""
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.rsplit(".", node.level - 1)[0]
+                    base = f"{anchor}.{base}" if base else anchor
+                targets = [f"{base}.{a.name}" for a in node.names] + [base]
+            for target in targets:
+                # `from pkg import mod` names a module; `from mod import name` not.
+                while target and target not in modules:
+                    target = target.rpartition(".")[0]
+                if target and target != name and not name.startswith(target + "."):
+                    graph[name].add(target)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    cycles, state = [], {}
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                path = [*stack, node]
+                cycles.append(path[path.index(nxt) :] + [nxt])
+            elif nxt not in state:
+                visit(nxt, [*stack, node])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [])
+    return cycles
+
+
+def test_cli_and_workloads_imports_have_no_cycle():
+    modules = _modules("cli", "workloads")
+    assert "mixprec._src.cli.errors" in modules
+    assert "mixprec._src.workloads.models" in modules
+    graph = _import_graph(modules)
+    # The parser imports the commands; the commands raise errors.py's CLIError.
+    assert "mixprec._src.cli.bench" in graph["mixprec._src.cli.main"]
+    assert _cycles(graph) == []
+    # The workloads serve benchmarks/ as well: they never import the CLI.
+    for name, deps in graph.items():
+        if name.startswith("mixprec._src.workloads"):
+            assert not [d for d in deps if d.startswith("mixprec._src.cli")], name
+
+
+def test_every_cli_module_imports_on_its_own():
+    # Each module imported first, in a process where no other mixprec module has
+    # been imported yet (JAX stays loaded, to keep this fast).
+    names = sorted(_modules("cli", "workloads"))
+    code = (
+        "import importlib, sys, jax, numpy\n"
+        f"for name in {names!r}:\n"
+        "    for m in [m for m in sys.modules if m.startswith('mixprec')]:\n"
+        "        del sys.modules[m]\n"
+        "    importlib.import_module(name)\n"
+        "print('ok')\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(_SRC.parent.parent)},
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
 
 
 def test_python_dash_m():

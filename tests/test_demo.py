@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import mixprec
-from mixprec._src.cli import models, timing
-from mixprec._src.cli.demo import data, plot, report, train
+from mixprec._src.cli.demo import plot, report
+from mixprec._src.workloads import data, models, timing, train
 
 
 # ----------------------------------------------------------------------------- data

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from .main import CLIError
+from .errors import CLIError
 
 
 MECHANISMS = ("manual", "flax", "autocast")
@@ -61,7 +61,7 @@ def workload_configs(size_set: str) -> dict[str, tuple[Any, int]]:
       >>> config.d_model, batch
       (768, 8)
     """
-    from .models import CNNConfig, LMConfig, MLPConfig
+    from ..workloads.models import CNNConfig, LMConfig, MLPConfig
 
     if size_set == "cpu":
         return {
@@ -130,7 +130,7 @@ def make_spec(name: str, config: Any, batch_size: int) -> Spec:
     """Builds one workload's models and synthetic batch.
 
     Examples:
-      >>> from mixprec._src.cli.models import MLPConfig
+      >>> from mixprec._src.workloads.models import MLPConfig
       >>> make_spec("mlp", MLPConfig(units=8), 4).batch[0].shape
       (4, 784)
     """
@@ -138,7 +138,7 @@ def make_spec(name: str, config: Any, batch_size: int) -> Spec:
 
     import jax.numpy as jnp
 
-    from . import models
+    from ..workloads import models
 
     rng = np.random.default_rng(0)
     b = batch_size
@@ -249,8 +249,7 @@ def _build(variant: Variant, spec: Spec) -> None:
 
     import mixprec
 
-    from . import models, timing
-    from .demo import train
+    from ..workloads import models, timing, train
 
     policy = (
         None
@@ -355,7 +354,7 @@ def run_bench(
     """
     import jax
 
-    from . import timing
+    from ..workloads import timing
 
     size_set = size_set or "cpu"
     configs = workload_configs(size_set)
@@ -463,7 +462,7 @@ def _matmul_support(platform: str) -> str:
 
 
 def _with_ratios(v: Variant, variants: Sequence[Variant]) -> dict[str, Any]:
-    from .timing import ratio
+    from ..workloads.timing import ratio
 
     d = v.to_dict()
     same = [w for w in variants if w.workload == v.workload and w.error is None]

@@ -26,14 +26,17 @@ import difflib
 import sys
 from collections.abc import Callable, Sequence
 
+from .errors import (
+    EXIT_ERROR as EXIT_ERROR,
+    EXIT_INTERRUPTED as EXIT_INTERRUPTED,
+    EXIT_OK as EXIT_OK,
+    EXIT_PROBLEMS as EXIT_PROBLEMS,
+    EXIT_USAGE as EXIT_USAGE,
+    PROG as PROG,
+    CLIError as CLIError,
+    require as require,
+)
 
-PROG = "mixprec"
-
-EXIT_OK = 0
-EXIT_ERROR = 1
-EXIT_USAGE = 2
-EXIT_PROBLEMS = 3
-EXIT_INTERRUPTED = 130
 
 # Aliases accepted on the command line for the precisions.
 _PRECISION_ALIASES = {
@@ -59,10 +62,6 @@ BENCH_PRECISIONS = ("mixed_bfloat16", "mixed_float16")
 WORKLOADS = ("digits", "lm")
 BENCH_WORKLOADS = ("mlp", "lm", "cnn")
 BENCH_MECHANISMS = ("manual", "flax", "autocast")
-
-
-class CLIError(Exception):
-    """A user error: printed as ``mixprec <command>: error: <message>``, status 1."""
 
 
 # ----------------------------------------------------------------------------- types
@@ -569,25 +568,6 @@ def _version() -> str:
         return f"mixprec {importlib.metadata.version('mixprec')}"
     except importlib.metadata.PackageNotFoundError:
         return "mixprec (source tree)"
-
-
-def require(module: str, command: str) -> None:
-    """Raises :class:`CLIError` naming the pip extra if ``module`` is missing.
-
-    Examples:
-      >>> require("json", "demo")
-      >>> require("no_such_module_xyz", "demo")
-      Traceback (most recent call last):
-      ...
-      mixprec._src.cli.main.CLIError: `mixprec demo` requires `no_such_module_xyz`; ...
-    """
-    import importlib.util
-
-    if importlib.util.find_spec(module) is None:
-        raise CLIError(
-            f"`{PROG} {command}` requires `{module}`; install with "
-            f"`pip install 'mixprec[cli]'`."
-        )
 
 
 # ----------------------------------------------------------------------------- commands

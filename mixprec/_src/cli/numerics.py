@@ -38,7 +38,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from .main import EXIT_OK, EXIT_PROBLEMS, CLIError
+from .errors import EXIT_OK, EXIT_PROBLEMS, CLIError
 
 
 class TargetError(CLIError):

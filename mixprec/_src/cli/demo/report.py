@@ -13,7 +13,7 @@ import pathlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from .train import RunResult
+from ...workloads.train import RunResult
 
 
 MiB = 1024.0 * 1024.0

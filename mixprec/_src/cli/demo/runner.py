@@ -8,13 +8,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..main import CLIError
+from ..errors import CLIError
 
 
 def _meta(
     size: str, mechanism: str, seed: int, loss_scale_period: int
 ) -> dict[str, Any]:
-    from .. import timing
+    from ...workloads import timing
 
     env = timing.environment()
     return {
@@ -89,7 +89,8 @@ def run_demo(
     """
     from rich.console import Console
 
-    from . import report, train as train_lib
+    from ...workloads import train as train_lib
+    from . import report
 
     if console is None:
         console = Console()

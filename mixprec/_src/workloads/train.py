@@ -1,4 +1,4 @@
-"""Workloads and the training loop of ``mixprec demo`` (and ``mixprec bench``).
+"""Workloads and the training loop of the demo, the bench and ``benchmarks/``.
 
 A :class:`Workload` bundles data, a float32 model and its loss. :func:`train` runs
 one workload at one precision with one mechanism and measures it:
@@ -22,8 +22,8 @@ one workload at one precision with one mechanism and measures it:
 
 Every run compiles its step ahead of time (so compilation is not timed), times
 each step to completion, and records XLA's memory analysis of the compiled step and
-the bytes the forward pass saves for the backward pass (``..timing``). The models
-are those of ``..models``.
+the bytes the forward pass saves for the backward pass (``timing.py``). The
+models are those of ``models.py``, the data that of ``data.py``.
 """
 
 from __future__ import annotations
@@ -39,8 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import models, timing
-from . import data as data_lib
+from . import data as data_lib, models, timing
 
 
 PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16", "mixed_float8")
