@@ -102,6 +102,24 @@ def test_bad_flags_exit_2_with_a_clear_message(capsys, argv, message):
     assert "usage: mixprec" in err
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["demo", "--frobnicate"],
+        ["demo", "-n", "3", "--frobnicate", "x"],
+        ["bench", "--tiny"],
+        ["inspect", "m:f", "--frob"],
+        ["diagnose", "m:f", "extra_target"],
+    ],
+)
+def test_an_unknown_flag_prints_the_subcommands_usage(capsys, argv):
+    assert cli.main(argv) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: mixprec {argv[0]} ")  # not the top-level usage
+    assert f"mixprec {argv[0]}: error: unrecognized arguments: " in err
+    assert "COMMAND" not in err
+
+
 def test_no_command_prints_help_and_fails(capsys):
     assert cli.main([]) == cli.EXIT_USAGE
     assert "demo" in capsys.readouterr().err
@@ -432,7 +450,17 @@ def test_a_failed_demo_run_exits_1_after_writing_the_others(
 @pytest.mark.standard_promotion
 def test_tiny_bench_end_to_end(tmp_path, capsys):
     out = tmp_path / "bench"
-    argv = ["bench", "--size", "tiny", "-w", "mlp", "-m", "manual,autocast"]
+    argv = [
+        "bench",
+        "--size",
+        "tiny",
+        "-w",
+        "mlp",
+        "-m",
+        "manual,autocast",
+        "-p",
+        "bf16",
+    ]
     argv += ["--repeats", "2", "--steps", "1", "--warmup", "0", "--out", str(out)]
     status = cli.main([*argv, "--no-progress"])
     captured = capsys.readouterr()
@@ -469,7 +497,17 @@ def test_a_failed_bench_variant_exits_1_after_writing_the_others(
 
     monkeypatch.setattr(bench, "_build", fails_under_autocast)
     out = tmp_path / "bench"
-    argv = ["bench", "--size", "tiny", "-w", "mlp", "-m", "manual,autocast"]
+    argv = [
+        "bench",
+        "--size",
+        "tiny",
+        "-w",
+        "mlp",
+        "-m",
+        "manual,autocast",
+        "-p",
+        "bf16",
+    ]
     argv += ["--repeats", "1", "--steps", "1", "--warmup", "0", "--out", str(out)]
     status = cli.main([*argv, "--no-progress"])
     captured = capsys.readouterr()
@@ -479,3 +517,50 @@ def test_a_failed_bench_variant_exits_1_after_writing_the_others(
     variants = json.loads((out / "bench.json").read_text())["variants"]
     assert [v["error"] is None for v in variants] == [True, True, False]
     assert "| mlp | mixed_bfloat16 (manual) |" in captured.out
+
+
+@pytest.mark.parametrize("on_gpu", [False, True])
+def test_bench_defaults_follow_the_platform(monkeypatch, tmp_path, capsys, on_gpu):
+    # The defaults of `mixprec bench` depend on the platform: the size set (GPU
+    # sizes on a GPU), the precisions (float16 too on a GPU, where its matmuls
+    # are native) and the timed steps. A GPU is simulated on a CPU host; the
+    # run stops once the size set is chosen.
+    from mixprec._src.workloads import timing
+
+    monkeypatch.setattr(timing, "on_gpu", lambda: on_gpu)
+    seen = []
+
+    def stop(size_set):
+        seen.append(size_set)
+        raise cli.CLIError("stopped after choosing the size set")
+
+    monkeypatch.setattr(bench, "workload_configs", stop)
+    assert cli.main(["bench", "--out", str(tmp_path)]) == cli.EXIT_ERROR
+    assert "stopped after choosing the size set" in capsys.readouterr().err
+    platform = bench.current_platform()
+    assert seen == [bench.default_size_set(platform)] == ["gpu" if on_gpu else "cpu"]
+    assert bench.default_precisions(platform) == (
+        ["mixed_bfloat16", "mixed_float16"] if on_gpu else ["mixed_bfloat16"]
+    )
+    assert bench.default_steps(platform) == (20 if on_gpu else 5)
+
+
+@pytest.mark.standard_promotion
+def test_tiny_bench_on_a_simulated_gpu_runs_float16_too(monkeypatch, tmp_path, capsys):
+    from mixprec._src.workloads import timing
+
+    monkeypatch.setattr(timing, "on_gpu", lambda: True)
+    out = tmp_path / "bench"
+    argv = ["bench", "--size", "tiny", "-w", "mlp", "-m", "autocast", "--repeats", "1"]
+    argv += ["--warmup", "0", "--out", str(out), "--no-progress"]
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    payload = json.loads((out / "bench.json").read_text())
+    assert [v["label"] for v in payload["variants"]] == [
+        "float32",
+        "mixed_bfloat16 (autocast)",
+        "mixed_float16 (autocast)",
+    ]
+    meta = payload["meta"]
+    assert meta["platform"] == "gpu" and meta["timed steps per round"] == 20
+    assert meta["precisions"] == "mixed_bfloat16, mixed_float16"
+    assert all("device_peak_bytes" in v["memory"] for v in payload["variants"])

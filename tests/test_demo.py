@@ -218,7 +218,13 @@ def test_residual_and_memory_bytes():
     assert timing.tree_bytes({"a": w, "b": [jnp.zeros(3, jnp.int8)]}) == 259
 
 
-def test_cpu_info_and_environment(tmp_path):
+@pytest.mark.parametrize("simulate_gpu", [False, True])
+def test_cpu_info_and_environment(tmp_path, monkeypatch, simulate_gpu):
+    # Runs on every platform: the CPU facts come from /proc/cpuinfo whatever the
+    # accelerator, and the bfloat16 dot formulation is recorded on a CPU backend
+    # only. `simulate_gpu` checks the GPU side on a CPU host.
+    if simulate_gpu:
+        monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     fake = tmp_path / "cpuinfo"
     fake.write_text(
         "processor\t: 0\nmodel name\t: Test CPU 9000\n"
@@ -232,8 +238,14 @@ def test_cpu_info_and_environment(tmp_path):
     assert timing.cpu_info(str(tmp_path / "missing"))["flags"] == {}
     assert timing.flags_summary(info["flags"]) == "avx2, fma, avx512f, avx512_bf16"
     env = timing.environment()
-    assert env["jax"] == jax.__version__ and env["backend"] == "cpu"
+    backend = jax.default_backend()
+    assert env["jax"] == jax.__version__ and env["backend"] == backend
     assert env["cpu_count"] >= 1 and isinstance(env["cpu_flags"], dict)
+    if backend == "cpu":
+        assert isinstance(env["cpu_bf16"]["native"], bool)
+        assert env["cpu_bf16"]["formulation"] in ("native", "emulated")
+    else:
+        assert env["cpu_bf16"] is None
 
 
 # ----------------------------------------------------------------------------- training
@@ -387,3 +399,4 @@ def test_plot_writes_png(tmp_path):
     path = plot.save_figure(runs, tmp_path / "x.png", titles={"digits": "MLP"})
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert path.stat().st_size > 10_000
+

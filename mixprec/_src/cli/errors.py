@@ -38,6 +38,18 @@ class CLIError(Exception):
     """
 
 
+class UserCodeError(CLIError):
+    """The user's code (a target's module, function or example hook) raised.
+
+    The message names the exception and the user's file and line; the original
+    exception is the ``__cause__``, whose full traceback ``--verbose`` prints.
+
+    Examples:
+      >>> issubclass(UserCodeError, CLIError)
+      True
+    """
+
+
 def require(module: str, command: str) -> None:
     """Raises :class:`CLIError` naming the pip extra if ``module`` is missing.
 
