@@ -416,6 +416,18 @@ def test_tiny_demo_end_to_end(tmp_path, capsys):
         assert by[(w, "mixed_bfloat16")]["memory"]["residual_bytes"] < f32
     meta = payload["meta"]
     assert meta["size"] == "tiny" and meta["jax"] and "cpu flags" in meta
+    # float32 also ran seeds 1 and 2 (the default --seeds 3) for the seed range,
+    # against which the table judges each mixed precision.
+    assert meta["seeds (float32, for the spread)"] == "0, 1, 2"
+    for w in ("digits", "lm"):
+        seeds = by[(w, "float32")]["seed_eval_losses"]
+        assert sorted(seeds) == ["0", "1", "2"]
+        assert all(math.isfinite(v) for v in seeds.values())
+        assert len(set(seeds.values())) == 3  # other seeds, other results
+        assert by[(w, "mixed_bfloat16")]["seed_eval_losses"] == {
+            "0": by[(w, "mixed_bfloat16")]["eval_loss"]
+        }
+    assert "seed range" in stdout and "float32 eval loss over seeds 0, 1, 2" in stdout
 
     md = (out / "results.md").read_text()
     assert md.count("| precision |") == 2 and "mixed_float16" in md

@@ -383,9 +383,12 @@ def test_report_rows_and_markdown(tmp_path):
     runs = [_fake("float32", 0.02), _fake("mixed_bfloat16", 0.01)]
     failed = train.RunResult("digits", "mixed_float16", "autocast", 10, error="no f16")
     rows = report.rows([*runs, failed])
-    assert rows[0][4] == "1.00x" and rows[1][4] == "2.00x"
-    assert rows[1][3] == "10.00" and rows[1][2] == "93.0%" and rows[1][-1] == "2^14"
-    assert "skipped: no f16" in rows[2][-1]
+    col = {name: i for i, name in enumerate(report.COLUMNS)}
+    assert rows[0][col["speed-up"]] == "1.00x" and rows[1][col["speed-up"]] == "2.00x"
+    assert rows[1][col["ms/step"]] == "10.00" and rows[1][col["accuracy"]] == "93.0%"
+    assert rows[1][-1] == "2^14" and "skipped: no f16" in rows[2][-1]
+    # One seed: the difference from float32 is shown, with no verdict.
+    assert rows[0][col["vs float32"]] == "-" and rows[1][col["vs float32"]] == "+0.0000"
     md = report.markdown([*runs, failed], {"digits": "MLP"}, {"device": "cpu"})
     header = next(line for line in md.splitlines() if line.startswith("| precision"))
     assert "| eval loss |" in header and "device peak" not in header  # CPU: no peak
@@ -394,9 +397,46 @@ def test_report_rows_and_markdown(tmp_path):
     assert payload["runs"][1]["median_step_s"] == pytest.approx(0.01)
 
 
+def test_the_table_judges_differences_by_float32s_seed_range(tmp_path):
+    base = _fake("float32", 0.02)
+    base.eval_loss = 2.10
+    base.seed_eval_losses = {0: 2.10, 1: 2.16, 2: 2.12}
+    close, far = _fake("mixed_bfloat16", 0.01), _fake("mixed_float16", 0.01)
+    close.eval_loss, far.eval_loss = 2.05, 2.40
+    col = report.COLUMNS.index("vs float32")
+    table = report.rows([base, close, far])
+    assert table[0][col] == "seed range 0.0600"
+    assert table[1][col] == "-0.0500 within seed range"
+    assert table[2][col] == "+0.3000 = 5.0x seed range"
+    md = report.markdown([base, close, far], {"digits": "MLP"}, {"device": "cpu"})
+    assert "within seed range" in md
+    assert "float32 eval loss over seeds 0, 1, 2: 2.1000, 2.1600, 2.1200" in md
+
+
 def test_plot_writes_png(tmp_path):
     runs = [_fake("float32", 0.02), _fake("mixed_float16", 0.01, skipped_steps=1)]
     path = plot.save_figure(runs, tmp_path / "x.png", titles={"digits": "MLP"})
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert path.stat().st_size > 10_000
 
+
+# ----------------------------------------------------------------------------- docs
+
+
+def test_the_recipe_uses_one_loss_scale_setting_everywhere():
+    # The README's quickstart, docs/training.md's recipe and the example that
+    # runs it on real digits build the same float16 loss scale.
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    call = re.compile(r"mixprec\.DynamicLossScale\((.*?)\)\n", re.S)
+    found = {}
+    for page in ("README.md", "docs/training.md", "examples/train_mnist_mixed.py"):
+        text = (root / page).read_text()
+        found[page] = {" ".join(c.split()).rstrip(", ") for c in call.findall(text)}
+    assert found["README.md"] == {
+        "2.0**15, nonfinite_before_backoff=2, consecutive_nonfinite=True"
+    }
+    assert found["docs/training.md"] == found["examples/train_mnist_mixed.py"]
+    assert found["README.md"] == found["examples/train_mnist_mixed.py"]

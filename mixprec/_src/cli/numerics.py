@@ -20,11 +20,21 @@ taken as keyword arguments; anything else is the single argument). Inputs are
 arrays (``jax.numpy``/``numpy``) or pytrees of them; use ``functools.partial`` in
 the module for static arguments.
 
+A ``path/to/file.py`` target is imported as ``python path/to/file.py`` would
+import it: the file's directory comes first on ``sys.path`` (while it is loaded
+and while the function runs), so modules beside it import; a ``module`` target
+imports from the current directory.
+
 The reports are those of the public :func:`mixprec.explain` and
-:func:`mixprec.diagnose`. The arguments are parsed in ``main.py``, which also owns
-the exit statuses: a target that cannot be loaded, or a policy, mode or mixlist
-that ``mixprec`` rejects, is an error (status 1); ``diagnose --fail-on-problems``
-returns status 3 when it finds a problem.
+:func:`mixprec.diagnose`. The arguments are parsed in ``main.py``; the exit
+statuses are those of ``errors.py``. Errors (status 1): a target that cannot be
+loaded or is not callable; example arguments with no array, or a function that
+runs no JAX op (there would be nothing to report); a policy (see
+``precisions.py``), mode or mixlist that ``mixprec`` rejects; an exception raised
+by the user's own code (its module, function or example hook), reported with the
+user's file and line (``--verbose`` adds the traceback). An exception with no
+frame of the user's code keeps its traceback: it is mixprec's.
+``diagnose --fail-on-problems`` returns status 3 when it finds a problem.
 """
 
 from __future__ import annotations
