@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import mixprec
 from mixprec._src import float8 as f8
 from mixprec._src.autocast import float8_dots
-from mixprec._src.cli import models
+from mixprec._src.workloads import models
 
 
 E4M3, E5M2 = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)
