@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import _compat
 from . import data as data_lib, models, timing
 
 
@@ -586,7 +587,11 @@ def train(
     # The entry keeps the workload alive, so its id is not reused meanwhile.
     _, compiled = (compiled_steps or {}).get(key, (None, None))
     if compiled is None:
-        compiled = jax.jit(step, donate_argnums=0).lower(state, batch0).compile()
+        compiled = (
+            jax.jit(step, donate_argnums=0)
+            .lower(state, batch0)
+            .compile(_compat.cpu_miscompile_workaround_options(jax.default_backend()))
+        )
         if compiled_steps is not None:
             compiled_steps[key] = (workload, compiled)
     result.compile_s = time.perf_counter() - t0
@@ -665,10 +670,14 @@ def evaluate_params(
     loss_fn: Callable, params: Any, batches: tuple[Batch, ...]
 ) -> tuple[float, float]:
     """Mean loss and accuracy over held-out batches (equal-sized)."""
-    fn = jax.jit(loss_fn)
+    options = _compat.cpu_miscompile_workaround_options(jax.default_backend())
+    fn = None
     losses, accs = [], []
     for x, y in batches:
-        loss, acc = fn(params, (jnp.asarray(x), jnp.asarray(y)))
+        batch = (jnp.asarray(x), jnp.asarray(y))
+        if fn is None:  # the batches are equal-sized: one compilation
+            fn = jax.jit(loss_fn).lower(params, batch).compile(options)
+        loss, acc = fn(params, batch)
         losses.append(float(loss))
         accs.append(float(acc))
     return float(np.mean(losses)), float(np.mean(accs))
