@@ -571,3 +571,32 @@ def test_diagnose_counts_flushed_values_per_dot():
     assert rowwise.flushed < dot.flushed / 10
     assert "flushed to zero after scaling" in report.summary()
     assert report.ok  # flushing is float8's range, not a problem to advise on
+
+
+def test_explain_says_where_float8_runs_and_what_runs_instead():
+    # A float8 policy never changes an op's precision silently: a convolution
+    # runs in float8 on CPU only, and the report says what runs elsewhere.
+    def f(x, k, w):
+        y = lax.conv_general_dilated(x, k, (1, 1), "SAME")
+        return (y.reshape(-1, 128) @ w).sum()
+
+    x = jnp.ones((8, 128, 16, 16))
+    k, w = jnp.ones((128, 128, 3, 3)), jnp.ones((128, 128))
+    report = mixprec.explain(f, x, k, w, policy="mixed_float8")
+    products = ("conv_general_dilated", "dot_general")
+    decided = {o.primitive: o.decision for o in report.ops if o.primitive in products}
+    assert decided == {"conv_general_dilated": "float8", "dot_general": "float8"}
+    conv = next(n for n in report.notes if n.startswith("Float8 convolutions"))
+    assert "emulated on CPU" in conv and "run in bfloat16 instead" in conv
+    dots = next(n for n in report.notes if n.startswith("Float8 dots"))
+    assert "straight into the GEMM" in dots and "XLA:CPU has no float8 GEMM" in dots
+    assert "Float8 convolutions" in str(report)
+    # Where a platform is known, one sentence for it.
+    note = float8_dots.conv_float8_note(jnp.bfloat16, platform="gpu")
+    assert (
+        note.startswith("Float8 convolutions: not on cuda") and "emulated" not in note
+    )
+    assert "widened" in float8_dots.dot_float8_note(jnp.bfloat16, platform="cpu")
+    # No float8 decision, no float8 note.
+    plain = mixprec.explain(f, x, k, w, policy="mixed_bfloat16")
+    assert not any(n.startswith("Float8") for n in plain.notes)

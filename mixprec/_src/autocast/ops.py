@@ -132,6 +132,9 @@ class Product:
         epilogue: a bias add right after it runs on its float32 product.
         note: ``note(low_dtype, *, platform, cpu_bf16) -> str``: one sentence
             for reports on how each platform runs it in ``low_dtype``.
+        float8_note: ``float8_note(low_dtype, *, platform) -> str``: the same
+            under a float8 decision, including where it does not run in float8
+            (a platform with no float8 kernel for it) and what runs instead.
 
     Examples:
         >>> product = spec_for("dot_general").product
@@ -146,6 +149,7 @@ class Product:
     rowwise: bool = True
     epilogue: bool = True
     note: Callable[..., str] | None = None
+    float8_note: Callable[..., str] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -413,6 +417,7 @@ def_allow(
         low=dots.dot_general_product,
         float8=float8_dots.dot_general_product,
         note=dots.formulation_note,
+        float8_note=float8_dots.dot_float8_note,
     ),
 )
 def_allow(
@@ -427,6 +432,7 @@ def_allow(
         rowwise=False,
         epilogue=False,
         note=dots.conv_note,
+        float8_note=float8_dots.conv_float8_note,
     ),
 )
 def_allow(

@@ -55,11 +55,20 @@ def _saturated(ctx: CastContext, vals: tuple[Any, ...], low: np.dtype) -> list[A
     return out
 
 
-def _note_formulation(ctx: CastContext, product: ops.Product, low: np.dtype) -> None:
+def _note_formulation(
+    ctx: CastContext, product: ops.Product, low: np.dtype, *, float8: bool = False
+) -> None:
     """Tells an observer (``explain``) how each platform runs this product."""
-    if ctx.walk.observer is None or product.note is None:
+    if ctx.walk.observer is None:
         return
-    note = product.note(low, platform=ctx.platform, cpu_bf16=ctx.config.cpu_bf16)
+    if float8:
+        if product.float8_note is None:
+            return
+        note = product.float8_note(low, platform=ctx.platform)
+    elif product.note is None:
+        return
+    else:
+        note = product.note(low, platform=ctx.platform, cpu_bf16=ctx.config.cpu_bf16)
     ctx.walk.observer.on_note(ctx.walk, ctx.eqn, note)
 
 
@@ -85,6 +94,7 @@ def _product_rule(
             custom_vjp=ctx.config.custom_vjp_dots,
             platform=ctx.platform,
         )
+        _note_formulation(ctx, product, np.dtype(ctx.low_dtype), float8=True)
         return _rounded(ctx, product, wide, out_dtype)
     low = _low_dtype(ctx, lhs, rhs)
     if low is None:
