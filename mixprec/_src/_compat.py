@@ -374,9 +374,9 @@ def cpu_miscompile_workaround_options(backend: str) -> dict[str, Any]:
     AVX2 host (no AVX-512), jaxlib 0.11.2 and 0.12.0.1 return NaN for part of
     the output of such a fusion, differently from run to run: a hand-written
     bfloat16 MLP (784-128-10, ``log_softmax``) on 1000 rows gave 4276 and 9280
-    non-finite values in two runs, none with the fusion off. The option that
-    turns it off exists in 0.10.2 too, where the fusion is not made by default,
-    so it is only passed from 0.11 on; for other backends it is unknown.
+    non-finite values in two runs, none with the fusion off. jaxlib 0.10.2
+    makes the same fusions and computes them right (0 non-finite values), so
+    the option is only passed from 0.11 on; other backends do not know it.
 
     Pass the result as ``compiler_options`` to ``.compile()`` (or to
     ``jax.jit``) for code that runs bfloat16 matmuls written by hand. Autocast's
