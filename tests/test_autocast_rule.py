@@ -212,6 +212,61 @@ def test_squares_under_bfloat16_stay_low():
     assert report.find("square")[0].out_dtypes == ("bfloat16",)
 
 
+# ------------------------------------------------ statistics into loop bodies
+
+
+def _rows_with_zero_variance():
+    # Half the rows constant (variance exactly 0), half spread.
+    spread = jax.random.normal(jax.random.key(5), (4, 16)) * 3.0
+    return jnp.concatenate([jnp.full((4, 16), 7.0), spread])
+
+
+def _normalize(h, mean, var):
+    # eps below float16's range: (h - mean) must be exactly 0 for the
+    # constant rows, so that 0 * rsqrt(1e-12) = 0, not 0 * inf.
+    return (h @ jnp.eye(16) - mean) * lax.rsqrt(var + 1e-12)
+
+
+def _stats(h):
+    return h.mean(-1, keepdims=True), h.var(-1, keepdims=True)
+
+
+_normalize_jvp = jax.custom_jvp(_normalize)
+_normalize_jvp.defjvps(None, None, None)  # the value is what is checked
+
+
+_STAT_CARRIERS = {
+    "scan_xs": lambda h: lax.scan(
+        lambda c, xs: (c, _normalize(*xs)), 0.0, (h, *_stats(h))
+    )[1],
+    "map": lambda h: lax.map(lambda xs: _normalize(*xs), (h, *_stats(h))),
+    "cond": lambda h: lax.cond(True, _normalize, lambda *a: a[0], h, *_stats(h)),
+    "custom_jvp": lambda h: _normalize_jvp(h, *_stats(h)),
+    "inline": lambda h: _normalize(h, *_stats(h)),
+}
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("carrier", sorted(_STAT_CARRIERS))
+def test_a_statistic_keeps_its_role_inside_loop_bodies(carrier, policy):
+    """A mean or variance computed outside a body and passed in (scan ``xs``,
+    ``lax.map``, a ``cond`` operand, a ``custom_jvp`` argument) anchors the
+    body's norm in float32 as it does inline: zero-variance rows give 0 as in
+    float32, not NaN."""
+    fn = _STAT_CARRIERS[carrier]
+    h = _rows_with_zero_variance()
+    ref = fn(h)
+    got = mixprec.autocast(fn, policy)(h)
+    assert got.dtype == F32
+    assert bool(jnp.all(jnp.isfinite(got))), carrier
+    np.testing.assert_array_equal(got[:4], 0.0)
+    assert_trees_close(got, ref, dtype=LOW[policy])
+    # The subtraction and the rsqrt ran in float32 where they ran.
+    for op in mixprec.explain(fn, h, policy=policy).ops:
+        if op.primitive in ("sub", "rsqrt", "mul"):
+            assert op.out_dtypes == ("float32",), (op.primitive, op.path, op.reason)
+
+
 # ------------------------------------------------------ broadcast gradients
 
 
