@@ -481,6 +481,14 @@ def_deny(
     f"Mean, L2Loss), {_APEX} FP32_FUNCS (sum)",
 )
 def_deny(
+    ["reduce_window_sum"],
+    "windowed sum (average pooling): a sum like reduce_sum, accumulated in float32 "
+    "whatever the window (a 32x32 global pool is a 1024-term sum; 256 values of 400 "
+    f"overflow float16); {_PT} runs avg_pool2d at the input dtype but its kernels "
+    "accumulate in float32, which XLA's reduce_window does not; "
+    f"{_TF} infer (AvgPool)",
+)
+def_deny(
     ["reduce_prod"],
     f"long product over/underflows: {_PT} fp32 (prod), {_APEX} FP32_FUNCS (prod); "
     f"{_TF} has Prod in infer",
@@ -629,11 +637,6 @@ def_infer(
     ["sin", "cos", "atan"],
     f"bounded trigonometric function: {_PT} runs it at the input dtype (its fp32 "
     "list has only tan, asin, acos)",
-)
-def_infer(
-    ["reduce_window_sum"],
-    f"average pooling (a short windowed sum): {_TF} infer (AvgPool, AvgPool3D); "
-    f"{_PT} runs avg_pool2d at the input dtype",
 )
 def_infer(
     ["scatter-add", "scatter-sub", "scatter-mul", "scatter_add", "scatter_sub"],
