@@ -207,6 +207,42 @@ def test_squares_do_not_overflow_float16(square):
     assert mixprec.autocast(variance, "mixed_float16")(x, jnp.eye(8)) == 300.0**2
 
 
+_REPEATED = {
+    "dot": lambda x, w: (x @ w) * (x @ w),
+    "scaled_dot": lambda x, w: (x @ w * 2.0) * (x @ w * 2.0),
+    "einsum": lambda x, w: (
+        jnp.einsum("ij,jk->ik", x, w) * jnp.einsum("ij,jk->ik", x, w)
+    ),
+    "layer": lambda x, w: jnp.maximum(x @ w + 1.0, 0.0) * jnp.maximum(x @ w + 1.0, 0.0),
+}
+
+
+@pytest.mark.parametrize("form", sorted(_REPEATED))
+def test_a_value_computed_twice_is_squared_in_float32(form):
+    """``mul`` of two operands computed by structurally identical equations (the
+    same primitive, params and operands: JAX does not merge them) is a value
+    times itself: a square, in float32 under float16, like ``h * h``."""
+    f = _REPEATED[form]
+    x = jnp.full((4, 8), 150.0)
+    w = jnp.eye(8)
+    ref = f(x, w)
+    got = mixprec.autocast(f, "mixed_float16")(x, w)
+    assert got.dtype == F32
+    assert bool(jnp.all(jnp.isfinite(got))), form
+    assert_trees_close(got, ref, dtype=F16)
+    [mul] = [
+        op
+        for op in mixprec.explain(f, x, w, policy="mixed_float16").ops
+        if op.primitive == "mul" and op.decision == "float32"
+    ][-1:]
+    assert "by itself" in mul.reason
+    # Two different products are not a square: the mul stays in float16.
+    other = mixprec.explain(
+        lambda x, w: (x @ w) * (x @ (w * 2.0)), x, w, policy="mixed_float16"
+    )
+    assert other.find("mul")[-1].out_dtypes == ("float16",)
+
+
 def test_squares_under_bfloat16_stay_low():
     report = mixprec.explain(lambda x: jnp.square(x @ x.T), X, policy="mixed_bfloat16")
     assert report.find("square")[0].out_dtypes == ("bfloat16",)
@@ -265,6 +301,62 @@ def test_a_statistic_keeps_its_role_inside_loop_bodies(carrier, policy):
     for op in mixprec.explain(fn, h, policy=policy).ops:
         if op.primitive in ("sub", "rsqrt", "mul"):
             assert op.out_dtypes == ("float32",), (op.primitive, op.path, op.reason)
+
+
+# ------------------------------------------------------------ windowed sums
+
+
+def _avg_pool(x, window):
+    win = (1, window, window, 1)
+    return lax.reduce_window(x, 0.0, lax.add, win, win, "VALID") / window**2
+
+
+def _flax_avg_pool(x, window):
+    nn = pytest.importorskip("flax.linen")
+    with jax.numpy_dtype_promotion("standard"):  # flax divides by an int
+        return nn.avg_pool(x, (window, window))
+
+
+def _windowed_sum(x, window):
+    # A reduce_window with a non-zero init: JAX keeps the generic primitive.
+    win = (1, window, window, 1)
+    return lax.reduce_window(x, 1.0, lax.add, win, win, "VALID") - 1.0
+
+
+_POOLS = {"lax": _avg_pool, "flax": _flax_avg_pool, "generic": _windowed_sum}
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("window", [2, 16, 32])
+@pytest.mark.parametrize("pool", sorted(_POOLS))
+def test_windowed_sums_accumulate_in_float32_whatever_the_window(pool, window, policy):
+    """A windowed sum (average pooling) accumulates in float32 like every
+    other reduction: a global pool matches float32 within the low dtype's
+    tolerance, and a window of values near 400 does not overflow float16."""
+    pool_fn = _POOLS[pool]
+
+    def f(x, w):
+        return pool_fn(jnp.einsum("nhwc,cd->nhwd", x, w), window)
+
+    w = jnp.eye(4)
+    for x in (
+        jax.random.uniform(jax.random.key(6), (2, 32, 32, 4)),
+        400.0 + jax.random.uniform(jax.random.key(7), (1, 32, 32, 4)),
+    ):
+        ref = f(x, w)
+        got = mixprec.autocast(f, policy)(x, w)
+        assert got.dtype == F32
+        assert bool(jnp.all(jnp.isfinite(got)))
+        assert_trees_close(got, ref, dtype=LOW[policy])
+    if pool == "generic":
+        return  # JAX has no reverse mode for a generic reduce_window
+    # The gradient (a pad and a windowed sum of the cotangent) too.
+    x = 400.0 + jax.random.uniform(jax.random.key(8), (1, 32, 32, 4))
+    grads = jax.grad(lambda x, w: jnp.sum(f(x, w) ** 2), argnums=(0, 1))
+    got = mixprec.autocast(grads, policy)(x, w)
+    assert_tree_dtypes(got, (F32, F32))
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in got)
+    assert_trees_close(got, grads(x, w), dtype=LOW[policy], grad=True)
 
 
 # ------------------------------------------------------ broadcast gradients

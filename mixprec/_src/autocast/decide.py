@@ -77,7 +77,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools as ft
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final, Protocol
 
 import jax.numpy as jnp
@@ -510,10 +510,86 @@ class Region(Protocol):
     composite: str
     backward: bool
 
+    def producer(self, var: Any) -> JaxprEqn | None:
+        """The equation that computed ``var`` in the jaxpr being walked."""
+        ...
 
-def _is_square(eqn: JaxprEqn) -> bool:
+
+#: How many equations deep :func:`same_value` compares two operands.
+SAME_VALUE_DEPTH: Final = 6
+
+
+def _params_equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for k, v in a.items():
+        w = b[k]
+        if v is w:
+            continue
+        try:
+            if not bool(v == w):
+                return False
+        except Exception:  # noqa: BLE001  (arrays, jaxprs: not comparable)
+            return False
+    return True
+
+
+def same_value(
+    a: Any,
+    b: Any,
+    producer: Callable[[Any], JaxprEqn | None],
+    depth: int = SAME_VALUE_DEPTH,
+) -> bool:
+    """Whether two operands are the same value: the same variable, equal
+    literals, or the same output of two structurally identical equations (the
+    same primitive without effects, equal params, and operands
+    that are the same value, up to ``depth`` equations back). JAX does not
+    merge repeated subexpressions in a jaxpr, so ``(x @ w) * (x @ w)`` is two
+    dots; it is still a value times itself. Calls compare equal only when
+    their bodies are the same object: ``jax.nn.relu(h) * jax.nn.relu(h)``
+    traces two ``custom_jvp`` bodies and is not recognised.
+
+    ``producer(var)`` returns the equation that computed ``var`` in the jaxpr
+    being walked (``None`` for an input).
+
+    Examples:
+        >>> import jax
+        >>> jaxpr = jax.make_jaxpr(lambda x, w: (x @ w) * (x @ w))(
+        ...     np.ones((2, 2), np.float32), np.ones((2, 2), np.float32)).jaxpr
+        >>> made = {v: e for e in jaxpr.eqns for v in e.outvars}
+        >>> mul = jaxpr.eqns[-1]
+        >>> same_value(*mul.invars, made.get)
+        True
+    """
+    if a is b:
+        return True
+    if isinstance(a, Literal) or isinstance(b, Literal):
+        if not (isinstance(a, Literal) and isinstance(b, Literal)):
+            return False
+        va, vb = np.asarray(a.val), np.asarray(b.val)
+        return va.dtype == vb.dtype and bool(np.array_equal(va, vb))
+    if depth <= 0:
+        return False
+    ea, eb = producer(a), producer(b)
+    if ea is None or eb is None or ea.primitive is not eb.primitive:
+        return False
+    if ea.effects or eb.effects or len(ea.invars) != len(eb.invars):
+        return False
+    if ea.outvars.index(a) != eb.outvars.index(b):
+        return False
+    if not _params_equal(ea.params, eb.params):
+        return False
+    return all(
+        same_value(x, y, producer, depth - 1)
+        for x, y in zip(ea.invars, eb.invars, strict=True)
+    )
+
+
+def _is_square(eqn: JaxprEqn, producer: Callable[[Any], JaxprEqn | None]) -> bool:
     a, b = eqn.invars
-    return a is b and not isinstance(a, Literal)
+    if isinstance(a, Literal) or isinstance(b, Literal):
+        return False
+    return same_value(a, b, producer)
 
 
 def _asks_high_precision(eqn: JaxprEqn) -> bool:
@@ -598,7 +674,7 @@ def decide_eqn(
         )
     if spec is not None and ops.OPAQUE in spec.flags:
         return Decision(Precision.ORIGINAL, None, "clear", spec.reason)
-    if name == "mul" and _is_square(eqn):
+    if name == "mul" and _is_square(eqn, region.producer):
         name = "square"
         spec = ops.spec_for("square")
     lookup = region.composite or name
@@ -631,7 +707,12 @@ def decide_eqn(
             d, reason=f"inside {region.composite} (a JAX composite): {d.reason}"
         )
     if name == "square" and eqn.primitive.name == "mul":
-        return dataclasses.replace(d, reason=f"mul of a value by itself: {d.reason}")
+        what = (
+            "a value by itself"
+            if eqn.invars[0] is eqn.invars[1]
+            else "a value by itself (computed twice by the same equations)"
+        )
+        return dataclasses.replace(d, reason=f"mul of {what}: {d.reason}")
     return d
 
 

@@ -122,6 +122,7 @@ class Walk:
         "observer",
         "parent_source",
         "path",
+        "producers",
         "scalars",
         "trip",
         "wide",
@@ -157,6 +158,13 @@ class Walk:
         # converted (`jnp.full(shape, finfo.min)`), by outvar: a cast of one
         # saturates that scalar instead of emitting a clamp.
         self.scalars: dict[Any, Any] = {}
+        # The equation that computed each variable of the jaxpr being walked
+        # (for `decide.same_value`: a value computed twice is still one value).
+        self.producers: dict[Any, JaxprEqn] = {}
+
+    def producer(self, var: Any) -> JaxprEqn | None:
+        """The equation that computed ``var`` in the jaxpr being walked."""
+        return self.producers.get(var)
 
     def _copy(self, **changes: Any) -> Walk:
         kw = {
@@ -575,7 +583,7 @@ def eval_jaxpr(
             raise ValueError("`eval_jaxpr`: pass no `consts` with a ClosedJaxpr.")
         consts = jaxpr.consts
         jaxpr = jaxpr.jaxpr
-    walk = walk._copy()  # its own `wide` and `scalars`: never the caller's
+    walk = walk._copy()  # its own `wide`, `scalars`, `producers`: never the caller's
     env: dict[Any, Any] = {}
     mk: dict[Any, int] = {}
     for v, x in zip(jaxpr.constvars, consts, strict=True):
@@ -591,12 +599,13 @@ def eval_jaxpr(
         inmarks = [literal_mark() if type(v) is Literal else mk[v] for v in eqn.invars]
         w = walk.for_eqn(eqn)
         if w is not walk:
-            w.wide, w.scalars = walk.wide, walk.scalars
+            w.wide, w.scalars, w.producers = walk.wide, walk.scalars, walk.producers
         with _eqn_context(eqn):
             outs, outmarks = run_eqn(w, eqn, invals, inmarks)
         for v, x, m in zip(eqn.outvars, outs, outmarks, strict=True):
             env[v] = x
             mk[v] = m
+            walk.producers[v] = eqn
         _note_scalar(walk, eqn, inmarks)
     outs = [v.val if type(v) is Literal else env[v] for v in jaxpr.outvars]
     outmarks = [literal_mark() if type(v) is Literal else mk[v] for v in jaxpr.outvars]
