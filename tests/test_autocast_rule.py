@@ -183,6 +183,60 @@ def test_constants_saturate_when_cast_down(policy):
     assert float(out.min()) == low_min
 
 
+_BIG = np.full((16,), 2e5, np.float32)  # closed over, as NumPy
+
+
+def _computed_big():
+    return jnp.float32(300.0) * 400.0  # 1.2e5, computed while tracing
+
+
+_OUT_OF_RANGE = {
+    "div_literal": lambda x, w: (x @ w) / 1e5,
+    "mul_literal": lambda x, w: (x @ w) * 7e4,
+    "div_numpy_array": lambda x, w: (x @ w) / _BIG[None, :],
+    "add_after_tanh": lambda x, w: jnp.tanh(x @ w) + 1e6,
+    "div_jnp_float32": lambda x, w: (x @ w) / jnp.float32(1e5),
+    "div_computed": lambda x, w: (x @ w) / _computed_big(),
+    "dot_operand": lambda x, w: (x @ w) @ (jnp.eye(16) * 1e5),
+    "mul_tiny": lambda x, w: (x @ w) * 1e-9 * 1e9,
+}
+
+
+@pytest.mark.parametrize("form", sorted(_OUT_OF_RANGE))
+def test_a_constant_the_low_dtype_cannot_hold_keeps_its_op_in_float32(form):
+    """A constant beyond float16's largest value, or so small it would become 0,
+    keeps the op using it in float32 (outside a fill op such as ``where``,
+    whose constant saturates): the result matches float32, and an overflow
+    stays visible as inf, never a finite 65504."""
+    f = _OUT_OF_RANGE[form]
+    x = jax.random.normal(jax.random.key(9), (8, 16))
+    w = jax.random.normal(jax.random.key(10), (16, 16)) / 4
+    ref = f(x, w)
+    got = mixprec.autocast(f, "mixed_float16")(x, w)
+    assert got.dtype == F32
+    assert bool(jnp.all(jnp.isfinite(got))), form
+    assert_trees_close(got, ref, dtype=F16)
+    # explain and diagnose say the same and flag no problem.
+    report = mixprec.explain(f, x, w, policy="mixed_float16")
+    assert any("does not fit" in op.reason for op in report.ops), form
+    diag = mixprec.diagnose(f, x, w, policy="mixed_float16")
+    assert not diag.problems, [str(p) for p in diag.problems]
+    # An overflow of the op itself is inf, as in float32.
+    huge = lambda x, w: (x @ w) * 1e38  # noqa: E731
+    out = mixprec.autocast(huge, "mixed_float16")(x * 100.0, w)
+    assert bool(jnp.any(jnp.isinf(out))) and bool(jnp.isinf(huge(x * 100.0, w)).any())
+    assert not bool(jnp.any(jnp.abs(out) == float(jnp.finfo(F16).max)))
+
+
+def test_constants_that_fit_stay_in_the_low_dtype():
+    f = lambda x, w: (x @ w) / 1e3 + 60000.0  # noqa: E731
+    report = mixprec.explain(f, X, jnp.eye(16), policy="mixed_float16")
+    assert [op.out_dtypes for op in report.ops if op.primitive in ("div", "add")] == [
+        ("float16",),
+        ("float16",),
+    ]
+
+
 # ---------------------------------------------------------- float16 range
 
 

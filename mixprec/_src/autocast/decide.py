@@ -43,10 +43,14 @@ float32 accumulation; the result in the low dtype as above. A product the
 recipe's skip rules exclude (a dimension not a multiple of 16, or smaller than
 ``min_dim``) stays in the low dtype, and its decision says why.
 
-The rule modules add what is not a choice of precision: constants cast down
-saturate to the low dtype's finite range (``finfo(float32).min`` as a mask fill
-must not become ``-inf``), and an operand broadcast into the result is cast after
-it is broadcast, so that its gradient is summed in float32.
+A constant whose value is known when the jaxpr is walked and that the low dtype
+cannot hold (beyond its largest value, or non-zero and so small it becomes 0)
+keeps its op in float32 (:func:`misfit`), so the result is float32's and an
+overflow stays inf; except in a fill op (``where``, ``max``, ``min``,
+``clamp``), where the rule modules saturate it to the low dtype's finite range
+(``finfo(float32).min`` as a mask fill must not become ``-inf``). The rule
+modules also cast an operand broadcast into the result after it is broadcast,
+so that its gradient is summed in float32.
 
 Besides :func:`decide` (one equation, from the facts), this module holds every
 other dtype choice autocast makes, so that each is made in one place:
@@ -63,10 +67,11 @@ other dtype choice autocast makes, so that each is made in one place:
 Per value the interpreter keeps five marks, computed by :func:`out_marks`:
 ``FOLLOWS`` (broadcast into its consumers: a bias, a scale, a scalar),
 ``STAT`` (a statistic: computed from a reduction, like a mean or a variance; it
-is never a follower, even broadcast), ``CONST`` (computed from constants only)
-and ``GRAD`` (a gradient: computed in a backward pass from the loss's
-cotangent). The first two decide which operands anchor a gray op; ``CONST``
-makes casts of constants saturate; ``GRAD`` sends a float8 matmul's gradient
+is never a follower, even broadcast), ``CONST`` (computed from constants only;
+one the low dtype cannot hold keeps its op in float32) and ``GRAD`` (a
+gradient: computed in a backward pass from the loss's cotangent). The first two
+decide which operands anchor a gray op; ``CONST`` makes a fill op's constants
+saturate; ``GRAD`` sends a float8 matmul's gradient
 operand to ``float8_e5m2``; ``INPUT`` (an input of the transformed function,
 never a result of an equation) lets a matmul keep a float32 operand for its
 backward pass without a copy.
@@ -514,6 +519,55 @@ class Region(Protocol):
         """The equation that computed ``var`` in the jaxpr being walked."""
         ...
 
+    def constant_range(self, var: Any) -> tuple[float, float] | None:
+        """``(largest finite, smallest non-zero)`` magnitude of a constant
+        whose value is known, or ``None``."""
+        ...
+
+
+def misfit(magnitudes: tuple[float, float], low: np.dtype) -> str | None:
+    """Why a constant with these ``(largest finite, smallest non-zero)``
+    magnitudes does not fit ``low``, or ``None`` if it does: beyond its
+    largest finite value (it would become inf), or non-zero and below half
+    its smallest subnormal (it would become 0).
+
+    Examples:
+        >>> f16 = np.dtype(np.float16)
+        >>> misfit((1e5, 1e5), f16)
+        'beyond float16's largest value (1e+05 > 65504)'
+        >>> misfit((1e-8, 1e-8), f16), misfit((1.0, 1e-3), f16)
+        ("below float16's smallest (1e-08 becomes 0)", None)
+    """
+    largest, smallest = magnitudes
+    info = jnp.finfo(low)
+    if largest > float(info.max):
+        return f"beyond {low}'s largest value ({largest:.3g} > {float(info.max):g})"
+    if smallest < float(info.smallest_subnormal) / 2:
+        return f"below {low}'s smallest ({smallest:.3g} becomes 0)"
+    return None
+
+
+def _misfit_constant(
+    region: Region,
+    eqn: JaxprEqn,
+    flags: frozenset[str],
+    marks: Sequence[int],
+    target: np.dtype,
+) -> str | None:
+    """Why a constant operand of ``eqn`` cannot be cast to ``target`` (``None``
+    if each can, or ``eqn`` is a fill op, whose constants saturate)."""
+    if ops.FILL in flags:
+        return None
+    for v, m in zip(eqn.invars, marks, strict=True):
+        dtype = float_dtype(v.aval)
+        if not m & CONST or dtype is None or dtype.itemsize <= target.itemsize:
+            continue
+        magnitudes = region.constant_range(v)
+        why = None if magnitudes is None else misfit(magnitudes, target)
+        if why is not None:
+            return why
+    return None
+
 
 #: How many equations deep :func:`same_value` compares two operands.
 SAME_VALUE_DEPTH: Final = 6
@@ -702,6 +756,20 @@ def decide_eqn(
         traced_out=float_dtype(out_aval) if op_class == "allow" else None,
         **_float8_args(cfg, eqn, spec, op_class, marks, out_shape),
     )
+    if (
+        d.precision in (Precision.LOW, Precision.RECEIVED)
+        and d.dtype is not None
+        and d.dtype.itemsize < 4
+    ):
+        op_flags = spec.flags if spec is not None else frozenset()
+        why = _misfit_constant(region, eqn, op_flags, marks, d.dtype)
+        if why is not None:
+            d = Decision(
+                Precision.FLOAT32,
+                _F32,
+                d.op_class,
+                f"a constant operand does not fit: {why}; runs in float32",
+            )
     if region.composite:
         return dataclasses.replace(
             d, reason=f"inside {region.composite} (a JAX composite): {d.reason}"

@@ -39,6 +39,11 @@ Flags:
   too, and it anchors gray ops instead of following (``x - mean``).
 * :data:`EPILOGUE`: a bias add that may run on the float32 product of the
   CPU matmul before it (one rounding, as a GEMM epilogue does).
+* :data:`FILL`: a constant operand is a fill or a bound (``where``, ``max``,
+  ``min``, ``clamp``): ``finfo(float32).min`` as an attention-mask fill. Cast
+  down, such a constant saturates to the low dtype's finite range, which keeps
+  the result. Any other op with a constant the low dtype cannot hold (beyond
+  its largest value, or so small it becomes 0) runs in float32.
 
 Matmul-like ops (``dot_general``, ``conv_general_dilated``) carry a
 :class:`Product` in their entry: their dimensions (for float8's skip rules,
@@ -78,6 +83,7 @@ from mixprec._src.autocast import dots, float8_dots
 __all__ = [
     "BROADCASTS",
     "EPILOGUE",
+    "FILL",
     "FLOAT8",
     "STATISTIC",
     "register_rule",
@@ -107,8 +113,19 @@ BROADCASTS: Final = "broadcasts"
 FLOAT8: Final = "float8"
 STATISTIC: Final = "statistic"
 EPILOGUE: Final = "epilogue"
+FILL: Final = "fill"
 FLAGS: Final = frozenset(
-    {OPAQUE, FLOAT32_ONLY, NARROW_RANGE, VIEW, BROADCASTS, FLOAT8, STATISTIC, EPILOGUE}
+    {
+        OPAQUE,
+        FLOAT32_ONLY,
+        NARROW_RANGE,
+        VIEW,
+        BROADCASTS,
+        FLOAT8,
+        STATISTIC,
+        EPILOGUE,
+        FILL,
+    }
 )
 
 
@@ -979,6 +996,7 @@ add_flags(
     STATISTIC,
 )
 add_flags(["add", "sub"], EPILOGUE)
+add_flags(["select_n", "max", "min", "clamp"], FILL)
 
 # ----------------------------------------------------------- higher-order
 def_higher_order(
