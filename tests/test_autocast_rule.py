@@ -554,10 +554,42 @@ def _programs():
         gw, gb = jax.grad(loss, argnums=(0, 1))(w, b)
         return w - 0.1 * gw, b - 0.1 * gb
 
+    def avg_pool(w, b, x):
+        h = jnp.tanh(x @ w + b[None, :]).reshape(1, 4, 16, 1) * 400.0
+        return lax.reduce_window(h, 0.0, lax.add, (1, 4, 16, 1), (1, 1, 1, 1), "VALID")
+
+    def scan_xs_stats(w, b, x):
+        mean, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
+
+        def body(c, xs):
+            h, m, v = xs
+            return c, (h @ w - m) * lax.rsqrt(v + 1e-12)
+
+        return lax.scan(body, 0.0, (x, mean, var))[1]
+
+    def big_constants(w, b, x):
+        h = x @ w
+        return jnp.tanh(h) + 1e6, h / 1e5, h * 7e4
+
+    def repeated_dots(w, b, x):
+        return jnp.sum((x @ w * 100.0) * (x @ w * 100.0))
+
     args = (w, b, x)
     return {
         f.__name__: (f, args)
-        for f in (mlp, residual, scan_rnn, while_sum, branches, nested, train_step)
+        for f in (
+            mlp,
+            residual,
+            scan_rnn,
+            while_sum,
+            branches,
+            nested,
+            train_step,
+            avg_pool,
+            scan_xs_stats,
+            big_constants,
+            repeated_dots,
+        )
     }
 
 
