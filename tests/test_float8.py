@@ -600,3 +600,27 @@ def test_explain_says_where_float8_runs_and_what_runs_instead():
     # No float8 decision, no float8 note.
     plain = mixprec.explain(f, x, k, w, policy="mixed_bfloat16")
     assert not any(n.startswith("Float8") for n in plain.notes)
+
+
+def test_one_inf_makes_a_tensorwise_product_nan_and_diagnose_says_why():
+    """Under tensorwise scaling one inf in an operand makes every output of the
+    product NaN (its amax is inf); ``diagnose`` notes it. Rowwise scaling
+    confines it to the inf's row."""
+    x = jax.random.normal(jax.random.key(0), (128, 128)).at[3, 5].set(jnp.inf)
+    w = jax.random.normal(jax.random.key(1), (128, 128)) / 8
+
+    def f(x, w):
+        return x @ w
+
+    ref = f(x, w)
+    assert int(jnp.isnan(ref).sum()) == 0  # float32: only row 3 is inf
+    tensorwise = mixprec.autocast(f, "mixed_float8")(x, w)
+    assert bool(jnp.isnan(tensorwise).all())
+    rowwise = mixprec.autocast(f, "p=f32,c=bf16,o=f32,f8=rowwise")(x, w)
+    assert not bool(jnp.isnan(jnp.delete(rowwise, 3, axis=0)).any())
+    diag = mixprec.diagnose(f, x, w, policy="mixed_float8")
+    [note] = [n for n in diag.notes if "amax is inf" in n]
+    assert "every output is NaN" in note and "float8.md" in note
+    assert "amax is inf" in str(diag)
+    diag = mixprec.diagnose(f, x, w, policy="p=f32,c=bf16,o=f32,f8=rowwise")
+    assert not any("amax is inf" in n for n in diag.notes)

@@ -39,6 +39,11 @@ Flags:
   too, and it anchors gray ops instead of following (``x - mean``).
 * :data:`EPILOGUE`: a bias add that may run on the float32 product of the
   CPU matmul before it (one rounding, as a GEMM epilogue does).
+* :data:`FILL`: a constant operand is a fill or a bound (``where``, ``max``,
+  ``min``, ``clamp``): ``finfo(float32).min`` as an attention-mask fill. Cast
+  down, such a constant saturates to the low dtype's finite range, which keeps
+  the result. Any other op with a constant the low dtype cannot hold (beyond
+  its largest value, or so small it becomes 0) runs in float32.
 
 Matmul-like ops (``dot_general``, ``conv_general_dilated``) carry a
 :class:`Product` in their entry: their dimensions (for float8's skip rules,
@@ -78,6 +83,7 @@ from mixprec._src.autocast import dots, float8_dots
 __all__ = [
     "BROADCASTS",
     "EPILOGUE",
+    "FILL",
     "FLOAT8",
     "STATISTIC",
     "register_rule",
@@ -107,8 +113,19 @@ BROADCASTS: Final = "broadcasts"
 FLOAT8: Final = "float8"
 STATISTIC: Final = "statistic"
 EPILOGUE: Final = "epilogue"
+FILL: Final = "fill"
 FLAGS: Final = frozenset(
-    {OPAQUE, FLOAT32_ONLY, NARROW_RANGE, VIEW, BROADCASTS, FLOAT8, STATISTIC, EPILOGUE}
+    {
+        OPAQUE,
+        FLOAT32_ONLY,
+        NARROW_RANGE,
+        VIEW,
+        BROADCASTS,
+        FLOAT8,
+        STATISTIC,
+        EPILOGUE,
+        FILL,
+    }
 )
 
 
@@ -487,6 +504,14 @@ def_deny(
     f"Mean, L2Loss), {_APEX} FP32_FUNCS (sum)",
 )
 def_deny(
+    ["reduce_window_sum"],
+    "windowed sum (average pooling): a sum like reduce_sum, accumulated in float32 "
+    "whatever the window (a 32x32 global pool is a 1024-term sum; 256 values of 400 "
+    f"overflow float16); {_PT} runs avg_pool2d at the input dtype but its kernels "
+    "accumulate in float32, which XLA's reduce_window does not; "
+    f"{_TF} infer (AvgPool)",
+)
+def_deny(
     ["reduce_prod"],
     f"long product over/underflows: {_PT} fp32 (prod), {_APEX} FP32_FUNCS (prod); "
     f"{_TF} has Prod in infer",
@@ -635,11 +660,6 @@ def_infer(
     ["sin", "cos", "atan"],
     f"bounded trigonometric function: {_PT} runs it at the input dtype (its fp32 "
     "list has only tan, asin, acos)",
-)
-def_infer(
-    ["reduce_window_sum"],
-    f"average pooling (a short windowed sum): {_TF} infer (AvgPool, AvgPool3D); "
-    f"{_PT} runs avg_pool2d at the input dtype",
 )
 def_infer(
     ["scatter-add", "scatter-sub", "scatter-mul", "scatter_add", "scatter_sub"],
@@ -982,6 +1002,7 @@ add_flags(
     STATISTIC,
 )
 add_flags(["add", "sub"], EPILOGUE)
+add_flags(["select_n", "max", "min", "clamp"], FILL)
 
 # ----------------------------------------------------------- higher-order
 def_higher_order(
