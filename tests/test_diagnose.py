@@ -527,3 +527,70 @@ def test_abstract_arguments_are_rejected():
     spec = jax.ShapeDtypeStruct((8, 8), jnp.float32)
     with pytest.raises(TypeError, match="concrete values"):
         mixprec.diagnose(seed_overflow, spec, spec, policy=F16)
+
+
+def several_muls(w, x):
+    h = x @ w
+    g = x @ w.T
+    small = (h * 1e-2) @ w  # a mul that runs in float16 and is fine
+    return small + h * g  # <- overflow
+
+
+def several_muls_scoped(w, x):
+    h = x @ w
+    g = x @ w.T
+    small = (h * 1e-2) @ w
+    with mixprec.float32_scope():
+        hg = h * g
+    return small + hg
+
+
+def test_advice_names_the_offending_line_and_spares_the_other_ops():
+    w, x = jnp.eye(8), jnp.full((8, 8), 256.0)
+    report = mixprec.diagnose(several_muls, w, x, policy=F16)
+    low_muls = [op for op in report.find("mul") if op.decision == "low"]
+    assert len(low_muls) == 2
+    (fix,) = report.scope_fixes
+    assert fix.primitive == "mul" and fix.problem == "overflow"
+    line = line_of(several_muls, "# <- overflow")
+    assert fix.line.endswith(f":{line} (several_muls)")
+    assert report.scope_verified is True
+    text = report.advice()
+    assert f"wrap line {line} of test_diagnose.py in" in text
+    assert "float32_scope" in text
+    # The black list is offered only as the last resort, saying what else it hits.
+    assert report.black_list_reach == {"mul": 1}
+    assert "Last resort" in text and "also moves 1 other mul op" in text
+    # The check is honest: the same line really wrapped is clean, and the other
+    # mul still runs in float16.
+    scoped = mixprec.diagnose(several_muls_scoped, w, x, policy=F16)
+    assert scoped.ok
+    assert [op.decision for op in scoped.find("mul")] == ["low", "original"]
+
+
+def test_advice_names_the_flax_layer_and_the_line_that_calls_it():
+    nn = pytest.importorskip("flax.linen")
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.Dense(8)(x)
+            g = nn.Dense(8, name="gate")(x)
+            return nn.Dense(8)(h * g)  # <- product
+
+    x = jnp.full((4, 8), 16.0)
+    params = Net().init(jax.random.key(0), x)
+    params = jax.tree.map(lambda p: jnp.full_like(p, 2.0), params)
+    report = mixprec.diagnose(lambda p, x: Net().apply(p, x), params, x, policy=F16)
+    assert [op.layer for op in report.find("dot_general")] == [
+        "Net/Dense_0",
+        "Net/gate",
+        "Net/Dense_1",
+    ]
+    (fix,) = report.scope_fixes
+    line = line_of(Net.__call__, "# <- product")
+    assert (fix.primitive, fix.layer) == ("mul", "Net")
+    assert fix.line.split(" ")[0].endswith(f"test_diagnose.py:{line}")
+    assert report.scope_verified is True
+    # The primitive-wide black list would move the three healthy dots too.
+    assert report.black_list_reach["dot_general"] == 3

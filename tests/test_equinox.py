@@ -110,3 +110,15 @@ def test_errors():
         mpe.MixedPrecision(net, "float32", overrides={"norm": "float32"})  # pyright: ignore[reportArgumentType]
     with pytest.raises(TypeError, match="mapping"):
         mpe.MixedPrecision(net, "float32", overrides=[eqx.nn.LayerNorm])  # pyright: ignore[reportArgumentType]
+
+
+def test_explain_names_each_linear_layer():
+    net = Net(jax.random.key(0))
+    report = mixprec.explain(lambda n, x: n(x), net, X, policy="mixed_bfloat16")
+    dots = report.find("dot_general")
+    # Equinox names a module's class in the name stack, not its attribute, so
+    # the user's line that called each layer tells them apart.
+    assert [op.layer for op in dots] == ["eqx.nn.Linear", "eqx.nn.Linear"]
+    wheres = [op.where for op in dots]
+    assert len(set(wheres)) == 2
+    assert all(w.startswith("eqx.nn.Linear @ test_equinox.py:") for w in wheres)

@@ -224,3 +224,35 @@ def test_linen_unedited_under_autocast():
     assert bool(finite)
     assert_tree_dtypes(g, F32)
     assert_trees_close(g, g_ref, dtype=jnp.bfloat16, grad=True)
+
+
+def test_explain_names_each_dense_layer_linen_and_nnx():
+    variables = _init()
+    report = mixprec.explain(
+        lambda v, x: Net().apply(v, x), variables, X, policy="mixed_bfloat16"
+    )
+    layers = [op.layer for op in report.find("dot_general")]
+    assert layers == ["Net/Block_0/Dense_0", "Net/Dense_0", "Net/head"]
+    # The source line is in flax; the report also names the user's line.
+    assert all("linear.py" in op.source for op in report.find("dot_general"))
+    assert "Net/head @ test_flax.py:" in str(report)
+
+    # NNX puts no module path in the name stack: the layer is the user's line
+    # that called it.
+    class Mlp(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.Linear(5, 8, rngs=rngs)
+            self.b = nnx.Linear(8, 2, rngs=rngs)
+
+        def __call__(self, x):
+            h = self.a(x)  # <- a
+            return self.b(h)  # <- b
+
+    graphdef, state = nnx.split(Mlp(nnx.Rngs(0)))
+    report = mixprec.explain(
+        lambda s, x: nnx.merge(graphdef, s)(x), state, X, policy="mixed_bfloat16"
+    )
+    layers = [op.layer for op in report.find("dot_general")]
+    assert len(set(layers)) == 2
+    assert all(layer.startswith("test_flax.py:") for layer in layers)
+    assert all("Mlp.__call__" in layer for layer in layers)

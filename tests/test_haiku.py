@@ -106,3 +106,12 @@ def test_errors():
         mph.set_policy(int, "half")  # pyright: ignore[reportArgumentType]
     with pytest.raises(TypeError, match="policy string"):
         mph.set_policy(hk.Linear, 3)  # pyright: ignore[reportArgumentType]
+
+
+def test_explain_names_each_linear_layer():
+    f = hk.without_apply_rng(hk.transform(_net))
+    params = f.init(jax.random.key(0), X)
+    report = mixprec.explain(f.apply, params, X, policy="mixed_bfloat16")
+    layers = [op.layer for op in report.find("dot_general")]
+    assert layers == ["linear", "linear_1"]
+    assert {op.layer for op in report.ops if op.primitive == "rsqrt"} == {"layer_norm"}

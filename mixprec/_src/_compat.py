@@ -11,6 +11,7 @@ to jaxprs, custom derivatives, source information.
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -270,6 +271,53 @@ def eqn_source_summary(source_info: Any) -> str:
     if frame is None:
         return ""
     return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
+
+
+def _installed(file_name: str) -> bool:
+    """Whether ``file_name`` belongs to an installed package (a library the
+    user calls, such as ``flax/linen/linear.py``), not to the user's code."""
+    return any(part in file_name for part in _INSTALLED_PARTS)
+
+
+_INSTALLED_PARTS = (
+    f"{os.sep}site-packages{os.sep}",
+    f"{os.sep}dist-packages{os.sep}",
+)
+
+
+def eqn_call_site(source_info: Any) -> str:
+    """``"file.py:LINE (function)"`` of the innermost frame of the user's own
+    code behind an eqn: the first frame outside JAX, mixprec and installed
+    packages (for an op inside ``flax/linen/linear.py``: the line that called
+    the layer), or ``""``."""
+    from jax._src import source_info_util as siu
+
+    if source_info is None or source_info.traceback is None:
+        return ""
+    for frame in siu.user_frames(source_info.traceback):  # type: ignore[attr-defined]
+        if not _installed(frame.file_name):
+            return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
+    return ""
+
+
+def eqn_frame_lines(source_info: Any) -> tuple[tuple[str, int], ...]:
+    """``(file, line)`` of every user frame behind an eqn, innermost first: the
+    lines whose execution traced it."""
+    from jax._src import source_info_util as siu
+
+    if source_info is None or source_info.traceback is None:
+        return ()
+    return tuple(
+        (frame.file_name, frame.start_line)
+        for frame in siu.user_frames(source_info.traceback)  # type: ignore[attr-defined]
+    )
+
+
+def eqn_name_stack(source_info: Any) -> str:
+    """An eqn's name stack as text (``"transpose(jvp(Net))/Dense_0"``)."""
+    if source_info is None:
+        return ""
+    return str(source_info.name_stack)
 
 
 # -- equation parameters that JAX versions spell differently -------------------------

@@ -120,6 +120,7 @@ class Walk:
         "config",
         "current",
         "float32",
+        "float32_lines",
         "observer",
         "parent_source",
         "path",
@@ -127,6 +128,7 @@ class Walk:
         "values",
         "ranges",
         "scalars",
+        "scope",
         "trip",
         "wide",
     )
@@ -142,6 +144,8 @@ class Walk:
         composite: str = "",
         backward: bool = False,
         parent_source: str = "",
+        scope: str = "",
+        float32_lines: frozenset[tuple[str, int]] = frozenset(),
     ) -> None:
         self.config = config
         self.observer = observer
@@ -153,6 +157,13 @@ class Walk:
         # The user source line of the higher-order equation around this body
         # (for equations without one of their own), and the equation being run.
         self.parent_source = parent_source
+        # The name stack of the higher-order equations around this body (the
+        # name stacks of a body's equations start afresh).
+        self.scope = scope
+        # User source lines treated as if wrapped in `float32_scope` (what
+        # `diagnose` checks its advice with): an equation traced while one of
+        # them ran is in a float32 region.
+        self.float32_lines = float32_lines
         self.current: JaxprEqn | None = None
         # Float32 products of this jaxpr's CPU dots, by the dot's outvar, for
         # a bias add that follows (see `decide.decide_epilogue`).
@@ -195,6 +206,8 @@ class Walk:
             "composite": self.composite,
             "backward": self.backward,
             "parent_source": self.parent_source,
+            "scope": self.scope,
+            "float32_lines": self.float32_lines,
         }
         config = changes.pop("config", self.config)
         kw.update(changes)
@@ -207,9 +220,17 @@ class Walk:
         if self.observer is not None and self.current is not None:
             here = _compat.eqn_source_summary(self.current.source_info)
             changes["parent_source"] = here or self.parent_source
+            stack = _compat.eqn_name_stack(self.current.source_info)
+            if stack:
+                changes["scope"] = f"{self.scope}/{stack}" if self.scope else stack
         if composite is not None and not self.float32:
             changes["composite"] = composite
         return self._copy(**changes)
+
+    def with_float32_lines(self, lines: frozenset[tuple[str, int]]) -> Walk:
+        """This walk with the user source ``lines`` (``(file, line)``) treated
+        as if wrapped in :func:`~mixprec._src.autocast.regions.float32_scope`."""
+        return self._copy(float32_lines=frozenset(lines))
 
     def probe(self) -> Walk:
         """A walk that observes nothing (a body traced only for its types)."""
@@ -218,7 +239,13 @@ class Walk:
     @property
     def key(self) -> tuple[Any, ...]:
         """What decides how a body is transformed (for caches)."""
-        return (self.config, self.float32, self.composite, self.backward)
+        return (
+            self.config,
+            self.float32,
+            self.composite,
+            self.backward,
+            self.float32_lines,
+        )
 
     def in_region(self, region: tuple[str, Any] | None) -> Walk:
         """This walk inside a region (:mod:`~mixprec._src.autocast.regions`):
@@ -237,6 +264,10 @@ class Walk:
     def for_eqn(self, eqn: JaxprEqn) -> Walk:
         """This walk, adjusted for the region and pass ``eqn`` is in."""
         region, backward = _stack_info(eqn.source_info.name_stack)
+        if region is None and self.float32_lines and not self.float32:
+            lines = _compat.eqn_frame_lines(eqn.source_info)
+            if not self.float32_lines.isdisjoint(lines):
+                region = ("float32", None)
         if region is None and (not backward or self.backward):
             return self
         walk = self

@@ -1,4 +1,5 @@
-"""What ``mixprec.diagnose`` advises: ops for the black list, a loss scale.
+"""What ``mixprec.diagnose`` advises: a ``float32_scope`` around the line of an
+offending op, ops for the black list (the last resort), a loss scale.
 
 Pure functions of what the diagnosis measured, so each can be tested on its own.
 """
@@ -6,16 +7,22 @@ Pure functions of what the diagnosis measured, so each can be tested on its own.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
+from mixprec._src.numerics.record import parse_source, short_source
+
 
 __all__ = [
     "GradientHistogram",
+    "ScopeFix",
     "advise_black_list",
+    "problem_sites",
     "merge_black_list",
     "suggest_loss_scale",
 ]
@@ -27,7 +34,11 @@ _EXP_OFFSET = 1100
 
 
 class _SiteStats(Protocol):
+    index: int
     primitive: str
+    source: str
+    layer: str
+    call_site: str
     backward: bool
     decision: str
     overflow: int
@@ -69,18 +80,82 @@ def merge_black_list(spec: Mapping[str, Any] | None, ops: Sequence[str]) -> dict
     return out
 
 
-def advise_black_list(sites: Sequence[_SiteStats], tolerance: float) -> tuple[str, ...]:
+def problem_sites(sites: Sequence[_SiteStats], tolerance: float) -> list[Any]:
     """Forward ops that run low and overflow, or whose underflow costs more than
     ``tolerance`` relative error in their own low-precision run."""
-    names: list[str] = []
+    found = []
     for s in sites:
         if s.backward or s.decision != "low":
             continue
         over = s.overflow + s.cast_overflow
         under = s.underflow + s.cast_underflow
         if over or (under and s.local_rel_error >= tolerance):
-            names.append(s.primitive)
-    return tuple(dict.fromkeys(names))
+            found.append(s)
+    return found
+
+
+def advise_black_list(sites: Sequence[_SiteStats], tolerance: float) -> tuple[str, ...]:
+    """The primitives of :func:`problem_sites`, each once."""
+    return tuple(dict.fromkeys(s.primitive for s in problem_sites(sites, tolerance)))
+
+
+@dataclasses.dataclass(frozen=True)
+class ScopeFix:
+    """Wrap one line of the user's code in ``mixprec.float32_scope()``.
+
+    Attributes:
+      line: the user source line, ``"file.py:LINE (function)"``: the op's own
+        line, or the user's line that called the layer it is in.
+      primitive: the offending op.
+      layer: its layer (:attr:`OpRecord.layer`), or ``""``.
+      problem: ``"overflow"`` or ``"underflow"``.
+      index: the op's index in the report.
+
+    Examples:
+      >>> fix = ScopeFix("/a/model.py:12 (f)", "mul", "Net/Dense_0", "overflow", 3)
+      >>> print(fix.message())  # doctest: +NORMALIZE_WHITESPACE
+      mul in Net/Dense_0 at model.py:12 (f) overflows: wrap line 12 of
+      model.py in `with mixprec.float32_scope():`
+    """
+
+    line: str
+    primitive: str
+    layer: str
+    problem: str
+    index: int
+
+    def message(self) -> str:
+        """One line: the op, where it is, and the edit."""
+        file, number, _ = parse_source(self.line)
+        where = f" in {self.layer}" if self.layer else ""
+        verb = "overflows" if self.problem == "overflow" else "underflows"
+        return (
+            f"{self.primitive}{where} at {short_source(self.line)} {verb}: wrap line "
+            f"{number} of {os.path.basename(file)} in "
+            "`with mixprec.float32_scope():`"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable dict."""
+        d = dataclasses.asdict(self)
+        d["message"] = self.message()
+        return d
+
+
+def scope_fix(site: _SiteStats) -> ScopeFix | None:
+    """The ``float32_scope`` fix of a problem site, or ``None`` when its user
+    line is unknown."""
+    line = site.call_site or site.source
+    if parse_source(line)[1] is None:
+        return None
+    over = getattr(site, "overflow", 0) + getattr(site, "cast_overflow", 0)
+    return ScopeFix(
+        line=line,
+        primitive=site.primitive,
+        layer=site.layer,
+        problem="overflow" if over else "underflow",
+        index=site.index,
+    )
 
 
 class GradientHistogram:

@@ -59,12 +59,16 @@ from mixprec._src.autocast.rules import calls, control_flow
 from mixprec._src.autocast.rules.default import cast_all
 from mixprec._src.numerics.advice import (
     GradientHistogram,
+    ScopeFix,
     advise_black_list,
     merge_black_list,
+    problem_sites,
+    scope_fix,
     suggest_loss_scale,
 )
 from mixprec._src.numerics.record import (
     AlignmentIssue,
+    layer_label,
     lint_product,
     parse_source,
     product_dims,
@@ -115,6 +119,9 @@ class OpDiagnosis:
       saturated: of those, values beyond the format's range after scaling
         (clipped to its largest value; current scaling leaves none).
       flushed: non-zero values that became zero after scaling.
+      layer: the layer the op belongs to (see :class:`mixprec.OpRecord`).
+      call_site: the user's line that called the layer when ``source`` is in
+        an installed package, else ``""``.
     """
 
     index: int
@@ -145,11 +152,18 @@ class OpDiagnosis:
     quantized: int = 0
     saturated: int = 0
     flushed: int = 0
+    layer: str = ""
+    call_site: str = ""
 
     @property
     def line(self) -> int | None:
         """The user source line number, or ``None``."""
         return parse_source(self.source)[1]
+
+    @property
+    def where(self) -> str:
+        """The layer as reports show it (``"Net/Dense_0 @ model.py:30"``)."""
+        return layer_label(self.layer, self.call_site)
 
     @property
     def problems(self) -> tuple[str, ...]:
@@ -199,12 +213,23 @@ class DiagnosisReport:
       output_rel_error: relative error of each output leaf against float32.
       output_nonfinite: non-finite values of each mixed output leaf where the
         float32 output is finite.
-      to_black_list: op names the advice moves to the black list.
-      suggested_mixlist: ``mixlist`` (user spec plus advice) to pass back to
-        autocast; ``{}`` when nothing needs to change and no spec was given.
+      to_black_list: the primitives of the problem ops, for the black list:
+        the last resort, since it moves every op of those primitives to
+        float32 (see ``black_list_reach``).
+      suggested_mixlist: ``mixlist`` (user spec plus ``to_black_list``) to
+        pass back to autocast; ``{}`` when nothing needs to change and no spec
+        was given.
       advice_verified: whether a re-run with ``suggested_mixlist`` is free of
         the problems that led to it (``None``: nothing suggested, or not
         checked).
+      black_list_reach: per primitive of ``to_black_list``, how many other ops
+        (ones without a problem) that mixlist also moves out of the low dtype.
+      scope_fixes: the narrowest fix: the user lines to wrap in
+        ``mixprec.float32_scope()``, one per offending op (its own line, or the
+        user's line that called its layer).
+      scope_verified: whether a re-run with those lines treated as inside
+        ``float32_scope`` is free of the problems (``None``: no line to
+        suggest, or not checked).
       suggested_loss_scale: a power of two, or ``None`` when no backward pass was
         seen or the low dtype does not need loss scaling (bfloat16).
       gradient_range: ``(smallest, largest)`` non-zero magnitude of the
@@ -243,6 +268,9 @@ class DiagnosisReport:
     gradient_range: tuple[float, float] | None
     alignment: tuple[AlignmentIssue, ...] = ()
     notes: tuple[str, ...] = ()
+    black_list_reach: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    scope_fixes: tuple[ScopeFix, ...] = ()
+    scope_verified: bool | None = None
 
     @property
     def problems(self) -> tuple[OpDiagnosis, ...]:
@@ -302,11 +330,42 @@ class DiagnosisReport:
         return "\n".join(lines)
 
     def advice(self) -> str:
-        """What to change: black-list ops (as a mixlist), loss scale, alignment."""
+        """What to change: the offending ops' lines in ``float32_scope``, else the
+        black list (as a mixlist), a loss scale, alignment."""
         lines = []
+        for fix in self.scope_fixes:
+            lines.append(fix.message())
+        if self.scope_fixes:
+            if self.scope_verified:
+                lines.append(
+                    "  (checked: a re-run with "
+                    + ("this line" if len(self.scope_fixes) == 1 else "these lines")
+                    + " inside float32_scope leaves no problem)"
+                )
+            elif self.scope_verified is False:
+                lines.append(
+                    "  (a re-run with these lines inside float32_scope still has "
+                    "problems)"
+                )
+            else:
+                lines.append(
+                    "  (not checked: it would run "
+                    + ", ".join(
+                        f"{f.primitive} at {short_source(f.line)}"
+                        for f in self.scope_fixes
+                    )
+                    + " in float32)"
+                )
         if self.to_black_list:
+            reach = [
+                f"{n} other {p} op{'s' if n != 1 else ''}"
+                for p, n in self.black_list_reach.items()
+            ]
+            head = "Black list" if not self.scope_fixes else "Last resort, black list"
             lines.append(
-                "Run in float32 (move to the black list): "
+                f"{head} (every op of the primitive runs in float32; also moves "
+                + (", ".join(reach) if reach else "no other op")
+                + "): "
                 + ", ".join(self.to_black_list)
             )
             lines.append(
@@ -336,6 +395,7 @@ class DiagnosisReport:
         "#",
         "op",
         "source",
+        "layer",
         "path",
         "in",
         "out",
@@ -367,6 +427,7 @@ class DiagnosisReport:
                     str(op.index),
                     op.primitive,
                     short_source(op.source),
+                    op.where,
                     op.path,
                     fmt_dtypes(op.in_dtypes),
                     fmt_dtypes(op.out_dtypes),
@@ -449,6 +510,9 @@ class DiagnosisReport:
             "gradient_range": None
             if self.gradient_range is None
             else list(self.gradient_range),
+            "black_list_reach": dict(self.black_list_reach),
+            "scope_fixes": [fix.to_dict() for fix in self.scope_fixes],
+            "scope_verified": self.scope_verified,
             "alignment": [issue.to_dict() for issue in self.alignment],
             "notes": list(self.notes),
             "ops": [op.to_dict() for op in self.ops],
@@ -542,6 +606,8 @@ class _Site:
     quantized: int = 0
     saturated: int = 0
     flushed: int = 0
+    layer: str = ""
+    call_site: str = ""
 
     def freeze(self) -> OpDiagnosis:
         fields = {f.name for f in dataclasses.fields(OpDiagnosis)}
@@ -792,6 +858,8 @@ class _Comparer:
                 reason=f["reason"],
                 float8=f["float8"] if f["decision"] == "float8" else None,
                 float8_skip=f["float8_skip"],
+                layer=f["layer"],
+                call_site=f["call_site"],
             )
             self.sites[key] = site
         return site
@@ -983,9 +1051,14 @@ def _widen_16bit(args: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 def _evaluate(
-    fn: Callable[..., Any], args: tuple[Any, ...], config: Any, max_loop_steps: int
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    config: Any,
+    max_loop_steps: int,
+    float32_lines: frozenset[tuple[str, int]] = frozenset(),
 ) -> tuple[_Comparer, list[Any], list[Any]]:
-    """Walks ``fn`` on ``args`` as autocast traces it, with a comparer.
+    """Walks ``fn`` on ``args`` as autocast traces it, with a comparer; the
+    user source ``float32_lines`` as if each were inside ``float32_scope``.
 
     Returns the comparer, and the float32 and autocast values of the outputs.
     """
@@ -994,6 +1067,8 @@ def _evaluate(
     values = [*source.consts, *(call.leaves[i] for i in call.dyn_idx)]
     comparer = _Comparer(max_loop_steps=max_loop_steps)
     walk = api.region_walk(config, comparer)
+    if float32_lines:
+        walk = walk.with_float32_lines(float32_lines)
     comparer.seed(source.jaxpr.invars, values)
     outs, _ = itp.eval_jaxpr(
         walk, source.jaxpr, (), values, source.in_marks(), source.consts
@@ -1057,6 +1132,49 @@ def _refine_advice(
         return (), None, notes
     remaining = [c for c in candidates if c not in rejected]
     return tuple(chosen), not remaining, notes
+
+
+def _line_key(line: str) -> tuple[str, int]:
+    file, number, _ = parse_source(line)
+    return file, int(number or 0)
+
+
+def _refine_scopes(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    sites: Sequence[_Site],
+    *,
+    config: Any,
+    tolerance: float,
+    max_loop_steps: int,
+    max_rounds: int,
+) -> tuple[tuple[ScopeFix, ...], bool | None]:
+    """Puts the line of the earliest problem op in a ``float32_scope``
+    (simulated: the walk treats every equation traced while that line ran as
+    inside one), re-runs, and repeats until clean.
+
+    Returns ``(fixes, verified)``: ``verified`` says whether the last run was
+    free of problems (``None`` if no fix could be placed: no user line known).
+    """
+    fixes: list[ScopeFix] = []
+    candidates = problem_sites(sites, tolerance)
+    for _ in range(max_rounds):
+        placed = {_line_key(f.line) for f in fixes}
+        new = [
+            fix
+            for site in candidates
+            if (fix := scope_fix(site)) is not None
+            and _line_key(fix.line) not in placed
+        ]
+        if not new:
+            break
+        fixes.append(new[0])
+        lines = frozenset(_line_key(f.line) for f in fixes)
+        comparer, _, _ = _evaluate(fn, args, config, max_loop_steps, lines)
+        candidates = problem_sites(list(comparer.sites.values()), tolerance)
+    if not fixes:
+        return (), None
+    return tuple(fixes), not candidates
 
 
 def diagnose(
@@ -1178,6 +1296,22 @@ def diagnose(
             out_err.append(_rel_error(a64, b64))
             out_bad.append(int(np.count_nonzero(np.isfinite(a64) & ~np.isfinite(b64))))
     notes = list(dict.fromkeys(ev.notes))
+    fixes: tuple[ScopeFix, ...] = ()
+    scope_ok: bool | None = None
+    if refine:
+        fixes, scope_ok = _refine_scopes(
+            fn_to_run,
+            args,
+            sites,
+            config=config,
+            tolerance=tolerance,
+            max_loop_steps=max_loop_steps,
+            max_rounds=8,
+        )
+    else:
+        fixes = tuple(
+            fix for s in problem_sites(sites, tolerance) if (fix := scope_fix(s))
+        )
     if refine:
         to_black, verified, more = _refine_advice(
             fn_to_run,
@@ -1194,6 +1328,15 @@ def diagnose(
     else:
         to_black, verified = advise_black_list(sites, tolerance), None
     suggested = merge_black_list(user_spec, to_black)
+    targets = {s.index for s in problem_sites(sites, tolerance)}
+    reach = {
+        p: sum(
+            1
+            for s in sites
+            if s.primitive == p and s.decision == "low" and s.index not in targets
+        )
+        for p in to_black
+    }
     loss_scale_hint, grad_range = suggest_loss_scale(ev.grads, low, scale)
     alignment = []
     for s in sites:
@@ -1230,4 +1373,7 @@ def diagnose(
         gradient_range=grad_range,
         alignment=tuple(alignment),
         notes=tuple(notes),
+        black_list_reach=reach,
+        scope_fixes=fixes,
+        scope_verified=scope_ok,
     )

@@ -173,7 +173,18 @@ class PrecisionReport:
             f"{fmt_flops(self.total_flops)} FLOPs in {where}"
         )
 
-    _COLUMNS = ("#", "op", "source", "path", "in", "out", "decision", "reason", "flops")
+    _COLUMNS = (
+        "#",
+        "op",
+        "source",
+        "layer",
+        "path",
+        "in",
+        "out",
+        "decision",
+        "reason",
+        "flops",
+    )
 
     def _rows(self, max_rows: int | None) -> list[list[str]]:
         ops = self.ops if max_rows is None else self.ops[:max_rows]
@@ -182,6 +193,7 @@ class PrecisionReport:
                 str(op.index),
                 op.primitive,
                 short_source(op.source),
+                op.where,
                 op.path,
                 fmt_dtypes(op.in_dtypes),
                 fmt_dtypes(op.out_dtypes),

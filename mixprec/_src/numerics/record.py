@@ -37,11 +37,77 @@ __all__ = [
 ]
 
 _SOURCE_RE = re.compile(r"^(?P<file>.*?):(?P<line>\d+)(?: \((?P<fn>.*)\))?$")
+# A transformation in a name stack wraps the scope it was applied in:
+# `transpose(jvp(Net))`, `vmap(eqx.nn.MLP)`, `vmap()`.
+_TRANSFORM_RE = re.compile(r"[A-Za-z_]\w*\(([^()]*)\)")
+_REGION_RE = re.compile(r"^mixprec_(float32|policy_\d+|ctx_\d+)$")
 
 
 def eqn_source(eqn: jex_core.JaxprEqn) -> str:
     """``"file.py:LINE (function)"`` of the user code behind ``eqn`` (or ``""``)."""
     return _compat.eqn_source_summary(eqn.source_info)
+
+
+def layer_path(name_stack: str) -> str:
+    """The module path in a name stack: scope names, without the JAX
+    transformations around them or mixprec's own region markers.
+
+    Flax linen names its modules there (``"Net/Block_0/Dense_0"``), Haiku its
+    module names (``"mlp/linear_1"``), Equinox its class names
+    (``"Model/eqx.nn.Linear"``); ``jax.named_scope`` adds the user's names.
+
+    Examples:
+        >>> layer_path("transpose(jvp(Net))/Dense_0")
+        'Net/Dense_0'
+        >>> layer_path("vmap(eqx.nn.MLP)/vmap()/mixprec_float32")
+        'eqx.nn.MLP'
+    """
+    text = name_stack
+    while True:
+        unwrapped = _TRANSFORM_RE.sub(r"\1", text)
+        if unwrapped == text:
+            break
+        text = unwrapped
+    parts = [p for p in text.split("/") if p and not _REGION_RE.match(p)]
+    return "/".join(parts)
+
+
+def eqn_layer(eqn: jex_core.JaxprEqn, scope: str = "") -> tuple[str, str]:
+    """``(layer, call_site)`` of ``eqn``.
+
+    ``layer`` is the module path from its name stack (after ``scope``, the
+    name stack of the higher-order equations around it); when the name stack
+    names no module (Flax NNX, plain functions), the user's call site instead.
+    ``call_site`` is the innermost line of the user's own code behind it
+    (outside JAX, mixprec and installed packages), or ``""`` when that is the
+    equation's source line itself.
+    """
+    stack = _compat.eqn_name_stack(eqn.source_info)
+    full = f"{scope}/{stack}" if scope and stack else scope or stack
+    call_site = _compat.eqn_call_site(eqn.source_info)
+    if call_site == eqn_source(eqn):
+        call_site = ""
+    layer = layer_path(full)
+    return layer or short_source(call_site), call_site
+
+
+def layer_label(layer: str, call_site: str) -> str:
+    """How a report shows where an op is: the layer, and the user's line that
+    called it when the layer is a module path (``"Net/Dense_0 @ model.py:30"``).
+
+    Examples:
+        >>> layer_label("Net/Dense_0", "/a/model.py:30 (__call__)")
+        'Net/Dense_0 @ model.py:30'
+        >>> layer_label("model.py:30 (__call__)", "/a/model.py:30 (__call__)")
+        'model.py:30 (__call__)'
+    """
+    if not call_site:
+        return layer
+    short = short_source(call_site)
+    if not layer or layer == short:
+        return short
+    file, line, _ = parse_source(call_site)
+    return f"{layer} @ {os.path.basename(file)}:{line}"
 
 
 def parse_source(source: str) -> tuple[str, int | None, str]:
@@ -297,6 +363,15 @@ class OpRecord:
         float8_skip: why the recipe kept it out of float8 (``"alignment"``,
             ``"size"``, ``"symbolic"``), or ``None``.
         float8_skip_reason: the same in words (``"N=10 not a multiple of 16"``).
+        layer: the layer the op belongs to: the module path from the
+            equation's name stack (``"Net/Block_0/Dense_0"`` in Flax linen,
+            ``"mlp/linear_1"`` in Haiku, ``"Model/eqx.nn.Linear"`` in Equinox,
+            the names of ``jax.named_scope``), or, when the name stack is empty
+            (Flax NNX), the user's line that called the layer; ``""`` for an
+            op of a plain function.
+        call_site: the innermost line of the user's own code behind the op
+            when its ``source`` is in an installed package (``flax/linen/
+            linear.py``), ``""`` otherwise.
 
     Examples:
         >>> import jax.numpy as jnp
@@ -325,11 +400,18 @@ class OpRecord:
     float8: str | None = None
     float8_skip: str | None = None
     float8_skip_reason: str | None = None
+    layer: str = ""
+    call_site: str = ""
 
     @property
     def line(self) -> int | None:
         """The user source line number, or ``None``."""
         return parse_source(self.source)[1]
+
+    @property
+    def where(self) -> str:
+        """The layer as reports show it (:func:`layer_label`)."""
+        return layer_label(self.layer, self.call_site)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict."""
@@ -358,7 +440,10 @@ def record_fields(
 ) -> dict[str, Any]:
     """The fields of an :class:`OpRecord` that do not depend on values."""
     source = eqn_source(eqn) or getattr(walk, "parent_source", "")
+    layer, call_site = eqn_layer(eqn, getattr(walk, "scope", ""))
     return {
+        "layer": layer,
+        "call_site": call_site,
         "primitive": eqn.primitive.name,
         "source": source,
         "path": walk.path,
