@@ -10,7 +10,10 @@ rules carry out and the numerics tools report. Under the default mode
   accumulate in float32. The result is in the low dtype, except in a backward
   pass (the equations JAX names ``transpose(...)``), where it keeps the dtype it
   was traced with, as the gradients of an autocast loss do; so the gradient of a
-  float32 master weight stays float32. A dot written with ``precision=HIGH`` or
+  float32 master weight stays float32. The gradient of an operand that the
+  forward product received in the low dtype (an activation) is in the low
+  dtype, as the derivative of an autocast product gives it: a whole training
+  step under autocast runs the backward GEMMs of an autocast loss. A dot written with ``precision=HIGH`` or
   ``HIGHEST`` (or under ``jax.default_matmul_precision("highest")``) runs in
   float32.
 * **Deny** ops run in float32. Ops flagged ``narrow_range`` (``square``,
@@ -226,6 +229,7 @@ def decide(
     backward: bool = False,
     high_precision: bool = False,
     traced_out: np.dtype | None = None,
+    low_cotangent: bool = False,
     float8: f8.Float8Recipe | None = None,
     float8_dims: tuple[tuple[str, int], ...] | None = None,
     float8_align: tuple[tuple[str, int], ...] = (),
@@ -247,6 +251,10 @@ def decide(
         high_precision: a dot that asks for ``HIGH``/``HIGHEST`` precision.
         traced_out: the dtype the op's result was traced with (allow ops in a
             backward pass return it).
+        low_cotangent: an allow op of a backward pass that computes the
+            gradient of an operand its forward op received in a 16-bit dtype
+            (an activation): its result stays in the low dtype, as the
+            derivative of an autocast product gives it.
         float8: the policy's float8 recipe (allow ops only).
         float8_dims: ``(name, size)`` of the product's dimensions, for the
             recipe's skip rules.
@@ -321,7 +329,8 @@ def decide(
     def float32(reason: str) -> Decision:
         return Decision(Precision.FLOAT32, _F32, op_class, reason)
 
-    allow_out = traced_out if backward and traced_out is not None else low
+    keeps_traced = backward and traced_out is not None and not low_cotangent
+    allow_out = traced_out if keeps_traced else low
 
     def allow(reason: str) -> Decision:
         """An allow op that runs lowered: in float8 if the policy says so."""
@@ -355,6 +364,11 @@ def decide(
     if op_class == "allow":
         if high_precision:
             return float32("allow list, but precision=HIGH/HIGHEST asked for float32")
+        if backward and low_cotangent:
+            return allow(
+                f"allow list: operands in {low}, float32 accumulation; the "
+                f"gradient of a {low} activation stays {low}"
+            )
         if backward and traced_out is not None:
             return allow(
                 f"allow list: operands in {low}, float32 accumulation; a backward "
@@ -509,6 +523,7 @@ class Region(Protocol):
     float32: bool
     composite: str
     backward: bool
+    partners: dict[Any, np.dtype]
 
 
 def _is_square(eqn: JaxprEqn) -> bool:
@@ -624,6 +639,7 @@ def decide_eqn(
         backward=region.backward,
         high_precision=_asks_high_precision(eqn),
         traced_out=float_dtype(out_aval) if op_class == "allow" else None,
+        low_cotangent=op_class == "allow" and _low_cotangent(region, eqn),
         **_float8_args(cfg, eqn, spec, op_class, marks, out_shape),
     )
     if region.composite:
@@ -633,6 +649,25 @@ def decide_eqn(
     if name == "square" and eqn.primitive.name == "mul":
         return dataclasses.replace(d, reason=f"mul of a value by itself: {d.reason}")
     return d
+
+
+def _low_cotangent(region: Region, eqn: JaxprEqn) -> bool:
+    """Whether a backward product computes the gradient of an operand that its
+    forward product received in a 16-bit dtype (an activation).
+
+    Of its operands, one is a residual: an operand of a forward product, whose
+    partner there is the operand this computes the gradient of
+    (:func:`~mixprec._src.autocast.interpreter._note_partners`); the other is
+    a cotangent, computed in the backward pass.
+    """
+    if not region.backward or len(eqn.invars) < 2:
+        return False
+    known = [
+        region.partners[v]
+        for v in eqn.invars[:2]
+        if not isinstance(v, Literal) and v in region.partners
+    ]
+    return len(known) == 1 and known[0] in _HALF
 
 
 def decide_epilogue(

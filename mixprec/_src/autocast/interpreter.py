@@ -121,6 +121,7 @@ class Walk:
         "float32",
         "observer",
         "parent_source",
+        "partners",
         "path",
         "scalars",
         "trip",
@@ -157,6 +158,10 @@ class Walk:
         # converted (`jnp.full(shape, finfo.min)`), by outvar: a cast of one
         # saturates that scalar instead of emitting a clamp.
         self.scalars: dict[Any, Any] = {}
+        # Per operand of a forward product of this jaxpr, the dtype the other
+        # operand ran in: a backward product whose residual is that operand
+        # computes the other one's gradient (see `decide.decide_eqn`).
+        self.partners: dict[Any, np.dtype] = {}
 
     def _copy(self, **changes: Any) -> Walk:
         kw = {
@@ -529,6 +534,8 @@ def run_eqn(
             fused = True
     ctx = CastContext(walk.config, eqn, decision, walk, marks, [], fused)
     outs = _run_rule(spec, prim, ctx, invals)
+    if spec is not None and spec.product is not None and not walk.backward:
+        _note_partners(walk, eqn, decision, invals)
     if walk.observer is not None:
         plain = walk.probe()
 
@@ -591,7 +598,7 @@ def eval_jaxpr(
         inmarks = [literal_mark() if type(v) is Literal else mk[v] for v in eqn.invars]
         w = walk.for_eqn(eqn)
         if w is not walk:
-            w.wide, w.scalars = walk.wide, walk.scalars
+            w.wide, w.scalars, w.partners = walk.wide, walk.scalars, walk.partners
         with _eqn_context(eqn):
             outs, outmarks = run_eqn(w, eqn, invals, inmarks)
         for v, x, m in zip(eqn.outvars, outs, outmarks, strict=True):
@@ -601,6 +608,33 @@ def eval_jaxpr(
     outs = [v.val if type(v) is Literal else env[v] for v in jaxpr.outvars]
     outmarks = [literal_mark() if type(v) is Literal else mk[v] for v in jaxpr.outvars]
     return outs, outmarks
+
+
+def _note_partners(
+    walk: Walk, eqn: JaxprEqn, decision: Decision, invals: Sequence[Any]
+) -> None:
+    """Remembers, for each operand of a lowered forward product, the dtype the
+    other operand ran in (a float32 master weight, a 16-bit activation).
+
+    JAX's transpose of ``dot(x, w)`` is ``dot(g, w)`` (the gradient of ``x``)
+    and ``dot(x, g)`` (that of ``w``): the forward operand that a backward
+    product keeps as its residual names whose gradient it computes, the
+    other one's. An operand seen with partners of different dtypes gets the
+    widest.
+    """
+    if decision.precision not in (Precision.LOW, Precision.FLOAT8):
+        return
+    if len(eqn.invars) < 2:
+        return
+    a, b = eqn.invars[:2]
+    da, db = float_dtype(invals[0]), float_dtype(invals[1])
+    for var, partner in ((a, db), (b, da)):
+        if isinstance(var, Literal) or partner is None:
+            continue
+        seen = walk.partners.get(var)
+        if seen is not None and seen != partner:
+            partner = _F32
+        walk.partners[var] = partner
 
 
 def _note_scalar(walk: Walk, eqn: JaxprEqn, inmarks: Sequence[int]) -> None:
