@@ -106,6 +106,7 @@ __all__ = [
     "branch_dtypes",
     "carry_dtypes",
     "decide",
+    "decide_attention",
     "decide_epilogue",
     "decide_eqn",
     "out_marks",
@@ -668,6 +669,48 @@ def _low_cotangent(region: Region, eqn: JaxprEqn) -> bool:
         if not isinstance(v, Literal) and v in region.partners
     ]
     return len(known) == 1 and known[0] in _HALF
+
+
+def decide_attention(
+    region: Region, pattern: str, operand_dtypes: Sequence[Any]
+) -> Decision | None:
+    """Whether a recognised attention (:mod:`~mixprec._src.autocast.attention`)
+    runs as one fused kernel, and in which dtype; ``None``: its equations run
+    one by one as usual.
+
+    It is fused where its matmuls would run in a 16-bit dtype: the default
+    modes, outside ``float32_scope``, in a forward pass, with float32 or
+    16-bit operands, and not under a float8 recipe (whose matmuls have their
+    own formulation).
+
+    Examples:
+        >>> import types
+        >>> from mixprec._src.autocast.config import make_config
+        >>> where = types.SimpleNamespace(config=make_config("mixed_bfloat16"),
+        ...     float32=False, composite="", backward=False, partners={})
+        >>> decide_attention(where, "q·kᵀ, softmax, ·v", [np.float32] * 3).dtype
+        dtype(bfloat16)
+    """
+    cfg = region.config
+    low = np.dtype(cfg.low_dtype)
+    if (
+        region.float32
+        or region.composite
+        or region.backward
+        or cfg.mode not in ("allow_mix_precision", "allow_mix_precision_bf16")
+        or low not in _HALF
+        or cfg.policy.float8 is not None
+        or any(np.dtype(d) not in (_F32, low) for d in operand_dtypes)
+    ):
+        return None
+    return Decision(
+        Precision.LOW,
+        low,
+        "allow",
+        f"attention ({pattern}): one fused kernel in {low} where the platform "
+        "has one (cuDNN on a GPU), softmax statistics in float32 inside it; "
+        "elsewhere its ops run one by one",
+    )
 
 
 def decide_epilogue(

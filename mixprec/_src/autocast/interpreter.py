@@ -40,9 +40,10 @@ from jax.extend import source_info_util as siu
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal
 
 from mixprec._src import _compat
-from mixprec._src.autocast import ops, regions
+from mixprec._src.autocast import attention, ops, regions
 from mixprec._src.autocast.avals import aval_dtype, aval_shape, float_dtype, same_shape
 from mixprec._src.autocast.config import CastConfig
+from mixprec._src.autocast.platforms import per_platform
 from mixprec._src.autocast.decide import (
     CONST,
     FOLLOWS,
@@ -52,6 +53,7 @@ from mixprec._src.autocast.decide import (
     STAT,
     Decision,
     Precision,
+    decide_attention,
     decide_epilogue,
     decide_eqn,
     literal_mark,
@@ -593,7 +595,14 @@ def eval_jaxpr(
     for v, x, m in zip(jaxpr.invars, args, marks, strict=True):
         env[v] = x
         mk[v] = m
-    for eqn in jaxpr.eqns:
+    fusable = _attentions(walk, jaxpr, consts)
+    skip = {i for m in fusable.values() for i in m.region if i != m.anchor}
+    for index, eqn in enumerate(jaxpr.eqns):
+        if index in skip:
+            continue
+        match = fusable.get(index)
+        if match is not None and _run_attention(walk, jaxpr, match, env, mk):
+            continue
         invals = [v.val if type(v) is Literal else env[v] for v in eqn.invars]
         inmarks = [literal_mark() if type(v) is Literal else mk[v] for v in eqn.invars]
         w = walk.for_eqn(eqn)
@@ -608,6 +617,78 @@ def eval_jaxpr(
     outs = [v.val if type(v) is Literal else env[v] for v in jaxpr.outvars]
     outmarks = [literal_mark() if type(v) is Literal else mk[v] for v in jaxpr.outvars]
     return outs, outmarks
+
+
+def _attentions(
+    walk: Walk, jaxpr: Jaxpr, consts: Sequence[Any]
+) -> dict[int, attention.Match]:
+    """The attentions of ``jaxpr`` the walk may fuse (none for an observer
+    that compares op by op, such as ``diagnose``)."""
+    if not getattr(walk.observer, "fuses_attention", True):
+        return {}
+    return attention.find(jaxpr, consts)
+
+
+def _run_attention(
+    walk: Walk,
+    jaxpr: Jaxpr,
+    match: attention.Match,
+    env: dict[Any, Any],
+    mk: dict[Any, int],
+) -> bool:
+    """Runs a recognised attention as one unit, if its decision says so:
+    fused per platform, the other platforms' formulation being its
+    equations run one by one. Returns whether it ran."""
+    values = [env[v] for v in match.inputs]
+    w = walk.for_eqn(jaxpr.eqns[match.first])
+    if w is not walk:
+        w.wide, w.scalars, w.partners = walk.wide, walk.scalars, walk.partners
+    dtypes = [float_dtype(values[i[0]]) or _F32 for i in (match.q, match.k, match.v)]
+    decision = decide_attention(w, match.pattern, dtypes)
+    if decision is None:
+        return False
+    marks = [mk[v] for v in match.inputs]
+    out_var = jaxpr.eqns[match.anchor].outvars[0]
+    low = np.dtype(decision.dtype)
+    region = [jaxpr.eqns[i] for i in sorted(match.region)]
+    plain = w.probe()
+
+    def unfused(*vals: Any) -> Any:
+        local = dict(zip(match.inputs, vals, strict=True))
+        lmk = dict(zip(match.inputs, marks, strict=True))
+        for eqn in region:
+            invals = [v.val if type(v) is Literal else local[v] for v in eqn.invars]
+            inmarks = [literal_mark() if type(v) is Literal else lmk[v] for v in eqn.invars]
+            with _eqn_context(eqn):
+                outs, outmarks = run_eqn(plain.for_eqn(eqn), eqn, invals, inmarks)
+            for v, x, m in zip(eqn.outvars, outs, outmarks, strict=True):
+                local[v], lmk[v] = x, m
+        return cast(local[out_var], low)
+
+    def cudnn(*vals: Any) -> Any:
+        try:
+            return attention.fused(match, vals, low, aval_shape(out_var))
+        except Exception:  # noqa: BLE001  (no cuDNN here, or shapes it refuses)
+            return unfused(*vals)
+
+    with _eqn_context(jaxpr.eqns[match.first]):
+        out = per_platform(
+            tuple(values), platform=w.config.platform, default=unfused, cuda=cudnn
+        )
+    env[out_var] = out
+    mk[out_var] = 0
+    if walk.observer is not None:
+        rec = match.eqn
+
+        def rerun(vals: Sequence[Any]) -> list[Any]:
+            del vals
+            raise NotImplementedError("a fused attention is not rerun op by op")
+
+        walk.observer.on_eqn(
+            w, rec, decision, [low] * len(rec.invars),
+            [env[v] for v in rec.invars], [out], rerun,
+        )  # fmt: skip
+    return True
 
 
 def _note_partners(
