@@ -61,6 +61,9 @@ ATTENTION_P = Primitive("dot_product_attention")
 
 # A fill below this (after scaling) gives an exactly zero weight in float32.
 _FILL_MAX = -1e7
+# What the cuda formulation asks `jax.nn.dot_product_attention` for (tests
+# run the fused formulation on a CPU with "xla").
+_IMPLEMENTATION: Any = "cudnn"
 _VIEWS = frozenset(
     {"transpose", "reshape", "broadcast_in_dim", "squeeze", "expand_dims", "copy"}
 )
@@ -295,69 +298,102 @@ def _raise() -> Any:
     raise _Fail
 
 
-def _softmax(
-    jaxpr: Jaxpr, users: dict[Any, list[int]], x: Any, axis: int, region: set[int]
-) -> Any:
-    """The softmax over ``axis`` written out from ``x``; returns its result."""
-    us = sorted(users.get(x, []))
-    if len(us) != 2 or min(us) < 0:
-        raise _Fail
-    by = {jaxpr.eqns[i].primitive.name: i for i in us}
-    if set(by) != {"reduce_max", "sub"}:
-        raise _Fail
-    rmax = jaxpr.eqns[by["reduce_max"]]
-    if tuple(rmax.params["axes"]) != (axis,):
-        raise _Fail
-    region.update(us)
-    v = rmax.outvars[0]
-    # max(-inf, m), broadcast back, stop_gradient: in any order.
+def _stat_chain(
+    jaxpr: Jaxpr,
+    users: dict[Any, list[int]],
+    v: Any,
+    labels: tuple[Label, ...],
+    until: str,
+    region: set[int],
+) -> tuple[JaxprEqn, int, tuple[Label, ...]]:
+    """From a row statistic (a max or a sum) through ``max(-inf, .)``,
+    ``stop_gradient`` and views to the ``until`` equation that uses it.
+    Returns that equation, the operand position and the statistic's labels."""
     while True:
         i = _only_user(users, v)
         eqn = jaxpr.eqns[i]
-        if eqn.primitive.name == "sub":
-            break
-        if eqn.primitive.name not in ("max", "broadcast_in_dim", "reshape", "stop_gradient"):
-            raise _Fail
-        if eqn.primitive.name == "max":
+        name = eqn.primitive.name
+        if name == until:
+            return eqn, list(eqn.invars).index(v), labels
+        if name == "max":
             other = [u for u in eqn.invars if u is not v]
             c = _scalar_literal(jaxpr, other[0]) if len(other) == 1 else None
             if c is None or c != -np.inf:
                 raise _Fail
+        elif name in _VIEWS:
+            labels = _view_labels(eqn, labels)
+        elif name != "stop_gradient":
+            raise _Fail
         region.add(i)
         v = eqn.outvars[0]
-    sub = jaxpr.eqns[by["sub"]]
-    if list(sub.invars) != [x, v]:
+
+
+def _reduced(labels: tuple[Label, ...], axis: int) -> tuple[Label, ...]:
+    return labels[:axis] + labels[axis + 1 :]
+
+
+def _keyless(labels: Sequence[Label], key: Label) -> list[Label]:
+    return [None if lab == key else lab for lab in labels]
+
+
+def _softmax(
+    jaxpr: Jaxpr,
+    users: dict[Any, list[int]],
+    x: Any,
+    labels: tuple[Label, ...],
+    key: Label,
+    region: set[int],
+) -> tuple[Any, tuple[Label, ...]]:
+    """The softmax over the ``key`` axis written out from ``x`` (``exp(x -
+    max) / sum``); returns its result and labels."""
+    axis = labels.index(key)
+    us = users.get(x, [])
+    if len(us) != 2 or min(us) < 0:
+        raise _Fail
+    rmax = [i for i in us if jaxpr.eqns[i].primitive.name == "reduce_max"]
+    if len(rmax) != 1 or tuple(jaxpr.eqns[rmax[0]].params["axes"]) != (axis,):
+        raise _Fail
+    region.update(us)
+    # The scores, possibly through views, into the subtraction.
+    other = jaxpr.eqns[[i for i in us if i != rmax[0]][0]]
+    x2, labels2 = x, labels
+    if other.primitive.name in _VIEWS:
+        labels2 = _view_labels(other, labels)
+        x2, labels2 = _follow_views(jaxpr, users, other.outvars[0], labels2, region)
+        other = jaxpr.eqns[_only_user(users, x2)]
+    if other.primitive.name != "sub" or other.invars[0] is not x2:
+        raise _Fail
+    sub, pos, mlabels = _stat_chain(
+        jaxpr, users, jaxpr.eqns[rmax[0]].outvars[0], _reduced(labels, axis), "sub",
+        region,
+    )  # fmt: skip
+    if sub is not other or pos != 1 or list(mlabels) != _keyless(labels2, key):
         raise _Fail
     i = _only_user(users, sub.outvars[0])
     exp = jaxpr.eqns[i]
     if exp.primitive.name != "exp":
         raise _Fail
-    region.add(i)
+    region.update((i, users[x2][0]))
     e = exp.outvars[0]
-    us = sorted(users.get(e, []))
+    us = users.get(e, [])
     if len(us) != 2 or min(us) < 0:
         raise _Fail
     by = {jaxpr.eqns[i].primitive.name: i for i in us}
     if set(by) != {"reduce_sum", "div"}:
         raise _Fail
+    axis2 = labels2.index(key)
     rsum = jaxpr.eqns[by["reduce_sum"]]
-    if tuple(rsum.params["axes"]) != (axis,):
+    if tuple(rsum.params["axes"]) != (axis2,):
         raise _Fail
     region.update(us)
-    v = rsum.outvars[0]
-    while True:
-        i = _only_user(users, v)
-        eqn = jaxpr.eqns[i]
-        if eqn.primitive.name == "div":
-            break
-        if eqn.primitive.name not in ("broadcast_in_dim", "reshape"):
-            raise _Fail
-        region.add(i)
-        v = eqn.outvars[0]
-    div = jaxpr.eqns[by["div"]]
-    if list(div.invars) != [e, v]:
+    div, pos, slabels = _stat_chain(
+        jaxpr, users, rsum.outvars[0], _reduced(labels2, axis2), "div", region
+    )
+    if div is not jaxpr.eqns[by["div"]] or pos != 1 or div.invars[0] is not e:
         raise _Fail
-    return div.outvars[0]
+    if list(slabels) != _keyless(labels2, key):
+        raise _Fail
+    return div.outvars[0], labels2
 
 
 def _dims(eqn: JaxprEqn) -> tuple[tuple[int, ...], ...]:
@@ -405,17 +441,17 @@ def _match_at(jaxpr: Jaxpr, users: dict[Any, list[int]], first: int) -> Match:
     # The softmax axis is the keys' axis.
     red = [j for j, lab in enumerate(labels) if lab in ("A", "B")]
     for axis in red:
+        key = labels[axis]
         try:
             trial = set(region)
-            p = _softmax(jaxpr, users, x, axis, trial)
+            p, plabels = _softmax(jaxpr, users, x, labels, key, trial)
         except _Fail:
             continue
         region = trial
-        key = labels[axis]
         break
     else:
         raise _Fail
-    p, plabels = _follow_views(jaxpr, users, p, labels, region)
+    p, plabels = _follow_views(jaxpr, users, p, plabels, region)
     anchor = _only_user(users, p)
     dot2 = jaxpr.eqns[anchor]
     if dot2.primitive.name != "dot_general" or not _is_f32(dot2.outvars[0]):
@@ -672,7 +708,7 @@ def fused(m: Match, values: Sequence[Any], low: Any, out_shape: Sequence[int]) -
         mask=mask,
         scale=m.scale,
         is_causal=m.causal,
-        implementation="cudnn",
+        implementation=_IMPLEMENTATION,
     )
     # [B, T, N, H] back to the result's layout.
     nb = len(m.batch)
