@@ -180,10 +180,11 @@ def test_float32_policy_and_float32_scope_do_not_fuse():
 @pytest.mark.parametrize("name", sorted(POSITIVE))
 def test_cpu_formulation_is_the_unfused_one(name, monkeypatch):
     args = _args(name)
-    f = jax.jit(mixprec.autocast(POSITIVE[name], "mixed_bfloat16"))
-    got = f(*args)
+    fn = POSITIVE[name]
+    # New functions: autocast caches what it built for one.
+    got = jax.jit(mixprec.autocast(lambda *a: fn(*a), "mixed_bfloat16"))(*args)
     monkeypatch.setattr(attention, "find", lambda *a, **k: {})
-    want = jax.jit(mixprec.autocast(POSITIVE[name], "mixed_bfloat16"))(*args)
+    want = jax.jit(mixprec.autocast(lambda *a: fn(*a), "mixed_bfloat16"))(*args)
     assert got.dtype == want.dtype
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
@@ -202,7 +203,8 @@ def test_fused_formulation_matches_float32(name, low, monkeypatch):
     monkeypatch.setattr(
         attention, "fused", lambda *a, **k: calls.append(1) or real(*a, **k)
     )
-    f = mixprec.autocast(fn, f"mixed_{low}")
+    # A new function: autocast caches what it built for one.
+    f = mixprec.autocast(lambda *a: fn(*a), f"mixed_{low}")
     got = jax.jit(f)(*args)
     assert calls, "the fused formulation did not run"
     assert got.dtype == jnp.float32  # the policy's output dtype
@@ -247,7 +249,7 @@ def test_head_dim_cudnn_refuses_keeps_the_unfused_formulation(monkeypatch):
     )
     _pin_cuda_attention(monkeypatch)
     q, k, v = _qkv(h=12)
-    f = mixprec.autocast(gpt_causal, "mixed_bfloat16")
+    f = mixprec.autocast(lambda *a: gpt_causal(*a), "mixed_bfloat16")
     names = {e.primitive.name for e in jax.make_jaxpr(f)(q, k, v).eqns}
     assert "exp" in names and "custom_vjp_call" not in names
 
@@ -266,7 +268,8 @@ def test_cuda_export_runs_cudnn_attention_forward_and_backward(name, monkeypatch
         _compat.cudnn_attention_module(), "check_cudnn_version", lambda: 91000
     )
     q, k, v = _qkv()
-    f = mixprec.autocast(POSITIVE[name], "mixed_bfloat16")
+    fn = POSITIVE[name]
+    f = mixprec.autocast(lambda *a: fn(*a), "mixed_bfloat16")
 
     def loss(q, k, v):
         return jnp.sum(f(q, k, v).astype(jnp.float32))
@@ -284,8 +287,8 @@ def test_cuda_export_runs_cudnn_attention_forward_and_backward(name, monkeypatch
     assert "__cudnn$fmhaSoftmaxBackward" in calls, calls
     assert "stablehlo.dot_general" not in bwd
     # The attention takes 16-bit operands.
-    sig = re.search(r"custom_call @__cudnn\$fmhaSoftmax\(.*\) : \(([^)]*)\)", fwd)
-    assert sig is not None and "f32" not in sig.group(1)
+    sig = re.search(r"custom_call @__cudnn\$fmhaSoftmax\(.* : \(([^)]*)\) ->", fwd)
+    assert sig is not None and "bf16" in sig.group(1) and "f32" not in sig.group(1)
 
 
 def test_flax_equinox_haiku_attention_are_recognised():
@@ -293,12 +296,20 @@ def test_flax_equinox_haiku_attention_are_recognised():
     eqx = pytest.importorskip("equinox")
     hk = pytest.importorskip("haiku")
     x = jax.random.normal(jax.random.key(0), (B, T, 64))
-    mask = flax_nn.make_causal_mask(jnp.ones((B, T)))
     m = flax_nn.MultiHeadDotProductAttention(num_heads=4, qkv_features=64)
     p = m.init(jax.random.key(1), x)
-    flax_f = lambda p, x: m.apply(p, x, mask=mask, deterministic=True)  # noqa: E731
-    assert len(_fused(flax_f, p, x)) == 1
-    assert "causal mask" in _fused(flax_f, p, x)[0].reason
+
+    def flax_f(p, x):
+        mask = flax_nn.make_causal_mask(jnp.ones(x.shape[:2]))
+        return m.apply(p, x, mask=mask, deterministic=True)
+
+    (op,) = _fused(flax_f, p, x)
+    assert "causal mask" in op.reason
+    # A mask that is an argument is passed to the kernel as a mask.
+    mask = flax_nn.make_causal_mask(jnp.ones((B, T)))
+    flax_g = lambda p, x, mask: m.apply(p, x, mask=mask)  # noqa: E731
+    (op,) = _fused(flax_g, p, x, mask)
+    assert "mask" in op.reason and "causal" not in op.reason
 
     e = eqx.nn.MultiheadAttention(4, 64, key=jax.random.key(2))
     causal = jnp.tril(jnp.ones((T, T), bool))

@@ -595,28 +595,37 @@ def eval_jaxpr(
     for v, x, m in zip(jaxpr.invars, args, marks, strict=True):
         env[v] = x
         mk[v] = m
+    # A recognised attention runs as one unit when its last equation is
+    # reached (its inputs are all computed by then); its other equations wait.
     fusable = _attentions(walk, jaxpr, consts)
     skip = {i for m in fusable.values() for i in m.region if i != m.anchor}
     for index, eqn in enumerate(jaxpr.eqns):
         if index in skip:
             continue
         match = fusable.get(index)
-        if match is not None and _run_attention(walk, jaxpr, match, env, mk):
-            continue
-        invals = [v.val if type(v) is Literal else env[v] for v in eqn.invars]
-        inmarks = [literal_mark() if type(v) is Literal else mk[v] for v in eqn.invars]
-        w = walk.for_eqn(eqn)
-        if w is not walk:
-            w.wide, w.scalars, w.partners = walk.wide, walk.scalars, walk.partners
-        with _eqn_context(eqn):
-            outs, outmarks = run_eqn(w, eqn, invals, inmarks)
-        for v, x, m in zip(eqn.outvars, outs, outmarks, strict=True):
-            env[v] = x
-            mk[v] = m
-        _note_scalar(walk, eqn, inmarks)
+        if match is None:
+            _step(walk, eqn, env, mk)
+        elif not _run_attention(walk, jaxpr, match, env, mk):
+            for i in sorted(match.region):
+                _step(walk, jaxpr.eqns[i], env, mk)
     outs = [v.val if type(v) is Literal else env[v] for v in jaxpr.outvars]
     outmarks = [literal_mark() if type(v) is Literal else mk[v] for v in jaxpr.outvars]
     return outs, outmarks
+
+
+def _step(walk: Walk, eqn: JaxprEqn, env: dict[Any, Any], mk: dict[Any, int]) -> None:
+    """Runs one equation of a jaxpr being evaluated, in ``env``."""
+    invals = [v.val if type(v) is Literal else env[v] for v in eqn.invars]
+    inmarks = [literal_mark() if type(v) is Literal else mk[v] for v in eqn.invars]
+    w = walk.for_eqn(eqn)
+    if w is not walk:
+        w.wide, w.scalars, w.partners = walk.wide, walk.scalars, walk.partners
+    with _eqn_context(eqn):
+        outs, outmarks = run_eqn(w, eqn, invals, inmarks)
+    for v, x, m in zip(eqn.outvars, outs, outmarks, strict=True):
+        env[v] = x
+        mk[v] = m
+    _note_scalar(walk, eqn, inmarks)
 
 
 def _attentions(
