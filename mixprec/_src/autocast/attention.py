@@ -44,14 +44,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.extend.core import Jaxpr, JaxprEqn, Literal, Primitive, new_jaxpr_eqn
+
+from mixprec._src import _compat
 
 
 __all__ = ["ATTENTION_P", "Match", "find", "fused"]
@@ -81,6 +82,18 @@ class _Step:
     operand: int
     labels: tuple[Label, ...]
     factor: float
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Raw:
+    """A mask or bias as found: the scale reached before it, a mask's fill."""
+
+    kind: str
+    eqn: JaxprEqn
+    operand: int
+    labels: tuple[Label, ...]
+    scale: float
+    fill: float | None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -213,19 +226,22 @@ def _follow_views(
         v = eqn.outvars[0]
 
 
-def _where_call(eqn: JaxprEqn, operand: int) -> tuple[Any, tuple[Label, ...]] | None:
-    """For a ``jit`` that is a ``where`` (views, one ``select_n``): the fill
-    operand index and a function of labels; ``None`` if it is not one."""
-    del operand
+def _is_where_call(jaxpr: Jaxpr, eqn: JaxprEqn, operand: int) -> bool:
+    """Whether a ``jit`` is a ``where`` of the scores (``jnp.where``'s body:
+    views and one ``select_n``) with a condition and a scalar literal fill."""
     inner = eqn.params.get("jaxpr")
-    if inner is None or len(eqn.outvars) != 1:
-        return None
+    if inner is None or len(eqn.outvars) != 1 or len(eqn.invars) != 3:
+        return False
     body = getattr(inner, "jaxpr", inner)
     names = [e.primitive.name for e in body.eqns]
     allowed = _VIEWS | {"select_n", "ne", "convert_element_type"}
     if names.count("select_n") != 1 or not set(names) <= allowed:
-        return None
-    return body, ()
+        return False
+    others = [u for k, u in enumerate(eqn.invars) if k != operand]
+    return (
+        sum(not _shape(u) and _scalar_literal(jaxpr, u) is not None for u in others)
+        == 1
+    )
 
 
 def _scores_chain(
@@ -234,17 +250,17 @@ def _scores_chain(
     v: Any,
     labels: tuple[Label, ...],
     region: set[int],
-) -> tuple[Any, tuple[Label, ...], float, list[tuple[str, JaxprEqn, int, tuple]]]:
+) -> tuple[Any, tuple[Label, ...], float, list[_Raw]]:
     """From the scores, through views, scales, masks and biases, to the input
     of the softmax. Returns it, its labels, the scale and the steps with the
     scale reached at each."""
     scale = 1.0
-    steps: list[tuple[str, JaxprEqn, int, tuple, float]] = []
+    steps: list[_Raw] = []
     while True:
         v, labels = _follow_views(jaxpr, users, v, labels, region)
         us = users.get(v, [])
         if len(us) != 1 or us[0] < 0:
-            return v, labels, scale, steps  # type: ignore[return-value]
+            return v, labels, scale, steps
         i = us[0]
         eqn = jaxpr.eqns[i]
         name = eqn.primitive.name
@@ -253,16 +269,16 @@ def _scores_chain(
         if name in ("mul", "div") and len(others) == 1:
             c = _scalar_literal(jaxpr, others[0])
             if c is None or c == 0 or (name == "div" and pos != 0):
-                return v, labels, scale, steps  # type: ignore[return-value]
+                return v, labels, scale, steps
             scale = scale * c if name == "mul" else scale / c
         elif name == "add" and len(others) == 1 and _shape(eqn.outvars[0]) == _shape(v):
-            steps.append(("bias", eqn, pos, labels, scale))
+            steps.append(_Raw("bias", eqn, pos, labels, scale, None))
         elif name == "select_n" and pos in (1, 2):
             fill = _scalar_literal(jaxpr, eqn.invars[3 - pos])
             if fill is None:
                 raise _Fail
-            steps.append(("mask", eqn, pos, labels, scale, fill))  # type: ignore[arg-type]
-        elif name in ("jit", "pjit") and _where_call(eqn, pos) is not None:
+            steps.append(_Raw("mask", eqn, pos, labels, scale, fill))
+        elif name in ("jit", "pjit") and _is_where_call(jaxpr, eqn, pos):
             fills = [
                 _scalar_literal(jaxpr, u)
                 for j, u in enumerate(eqn.invars)
@@ -274,10 +290,10 @@ def _scores_chain(
                 out_labels = _where_labels(eqn, pos, labels)
             else:
                 out_labels = labels
-            steps.append(("mask", eqn, pos, labels, scale, fills[0]))  # type: ignore[arg-type]
+            steps.append(_Raw("mask", eqn, pos, labels, scale, fills[0]))
             labels = out_labels
         else:
-            return v, labels, scale, steps  # type: ignore[return-value]
+            return v, labels, scale, steps
         region.add(i)
         v = eqn.outvars[0]
 
@@ -291,11 +307,9 @@ def _where_labels(eqn: JaxprEqn, pos: int, labels: tuple[Label, ...]) -> tuple:
     out = body.eqns[sel].outvars[0]
     if body.outvars != [out] and list(body.outvars) != [out]:
         raise _Fail
-    return labs if _shape(out) == _shape(v) else _raise()
-
-
-def _raise() -> Any:
-    raise _Fail
+    if _shape(out) != _shape(v):
+        raise _Fail
+    return labs
 
 
 def _stat_chain(
@@ -398,7 +412,12 @@ def _softmax(
 
 def _dims(eqn: JaxprEqn) -> tuple[tuple[int, ...], ...]:
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    return tuple(map(int, lc)), tuple(map(int, rc)), tuple(map(int, lb)), tuple(map(int, rb))
+    return (
+        tuple(map(int, lc)),
+        tuple(map(int, rc)),
+        tuple(map(int, lb)),
+        tuple(map(int, rb)),
+    )
 
 
 def _free(ndim: int, *used: Sequence[int]) -> list[int]:
@@ -418,8 +437,6 @@ def _match_at(jaxpr: Jaxpr, users: dict[Any, list[int]], first: int) -> Match:
     lhs, rhs = dot1.invars
     if not (_is_f32(lhs) and _is_f32(rhs) and _is_f32(dot1.outvars[0])):
         raise _Fail
-    if dot1.params.get("precision") not in (None, (None, None)):
-        pass  # precision is re-decided below like any dot's
     lc, rc, lb, rb = _dims(dot1)
     if len(lc) != 1 or len(lb) == 0:
         raise _Fail
@@ -503,11 +520,13 @@ def _match_at(jaxpr: Jaxpr, users: dict[Any, list[int]], first: int) -> Match:
             if i != anchor and any(j not in region for j in users.get(o, [])):
                 raise _Fail
     steps = []
-    for kind, eqn, pos, labs, at, *fill in raw_steps:
-        factor = scale / at if at else 1.0
-        if kind == "mask" and not fill[0] * factor <= _FILL_MAX:
+    for r in raw_steps:
+        factor = scale / r.scale
+        if r.kind == "mask" and not (
+            r.fill is not None and r.fill * factor <= _FILL_MAX
+        ):
             raise _Fail
-        steps.append(_Step(kind, eqn, pos, tuple(labs), factor))
+        steps.append(_Step(r.kind, r.eqn, r.operand, tuple(r.labels), factor))
     parts = ["scaled q·kᵀ" if scale != 1.0 else "q·kᵀ"]
     if any(s.kind == "mask" for s in steps):
         parts.append("mask")
@@ -580,7 +599,7 @@ def _concrete(jaxpr: Jaxpr, consts: Sequence[Any], v: Any, memo: dict) -> Any:
         return memo[v]
     if v in jaxpr.constvars:
         val = consts[list(jaxpr.constvars).index(v)]
-        memo[v] = None if isinstance(val, jax.core.Tracer) else val
+        memo[v] = None if _compat.is_tracer(val) else val
         return memo[v]
     for eqn in jaxpr.eqns:
         if v in eqn.outvars:
@@ -630,15 +649,19 @@ def _with_causal(jaxpr: Jaxpr, consts: Sequence[Any], m: Match) -> Match:
         keep = one if keep is None else keep & one
     assert keep is not None
     t, s_len = keep.shape[-2:]
-    if not np.array_equal(np.broadcast_to(np.tril(np.ones((t, s_len), bool)), keep.shape), keep):
+    if not np.array_equal(
+        np.broadcast_to(np.tril(np.ones((t, s_len), bool)), keep.shape), keep
+    ):
         return m
-    return dataclasses.replace(m, steps=(), causal=True, pattern=m.pattern.replace("mask", "causal mask"))
+    return dataclasses.replace(
+        m, steps=(), causal=True, pattern=m.pattern.replace("mask", "causal mask")
+    )
 
 
 def _out_labels_of(step: _Step) -> tuple[Label, ...]:
-    if step.eqn.primitive.name in ("jit", "pjit") and _shape(step.eqn.outvars[0]) != _shape(
-        step.eqn.invars[step.operand]
-    ):
+    if step.eqn.primitive.name in ("jit", "pjit") and _shape(
+        step.eqn.outvars[0]
+    ) != _shape(step.eqn.invars[step.operand]):
         return _where_labels(step.eqn, step.operand, step.labels)
     return step.labels
 
@@ -646,7 +669,9 @@ def _out_labels_of(step: _Step) -> tuple[Label, ...]:
 # ----------------------------------------------------------------- the fused kernel
 
 
-def _canonical(x: Any, labels: Sequence[Label], batch: Sequence[int], query: str) -> Any:
+def _canonical(
+    x: Any, labels: Sequence[Label], batch: Sequence[int], query: str
+) -> Any:
     """A mask or bias in the scores' labels as ``[B, N, T, S]``."""
     order = [j for j, lab in enumerate(labels) if isinstance(lab, tuple)]
     order.sort(key=lambda j: labels[j][1])
@@ -657,13 +682,19 @@ def _canonical(x: Any, labels: Sequence[Label], batch: Sequence[int], query: str
     y = jnp.transpose(x, perm) if isinstance(x, jax.Array) else np.transpose(x, perm)
     shape = y.shape[: len(order) + 2]
     y = y.reshape(shape)
-    full = (*batch, *shape[len(order):])
-    y = jnp.broadcast_to(y, full) if isinstance(y, jax.Array) else np.broadcast_to(y, full)
+    full = (*batch, *shape[len(order) :])
+    y = (
+        jnp.broadcast_to(y, full)
+        if isinstance(y, jax.Array)
+        else np.broadcast_to(y, full)
+    )
     b = math.prod(batch[:-1])
-    return y.reshape((b, batch[-1], *shape[len(order):]))
+    return y.reshape((b, batch[-1], *shape[len(order) :]))
 
 
-def _qkv(x: Any, spec: tuple[int, tuple[int, ...], int, int], batch: Sequence[int], low: Any) -> Any:
+def _qkv(
+    x: Any, spec: tuple[int, tuple[int, ...], int, int], batch: Sequence[int], low: Any
+) -> Any:
     """Queries, keys or values as ``[B, T, N, H]`` in ``low``."""
     _, bdims, seq, head = spec
     units = [d for d in range(x.ndim) if d not in (*bdims, seq, head)]
@@ -721,10 +752,3 @@ def fused(m: Match, values: Sequence[Any], low: Any, out_shape: Sequence[int]) -
 
 def _read(env: dict[Any, Any], u: Any) -> Any:
     return u.val if isinstance(u, Literal) else env[u]
-
-
-def replay_note(m: Match) -> str:
-    """What a report says of a recognised attention."""
-    return m.pattern
-
-

@@ -13,9 +13,9 @@ rules carry out and the numerics tools report. Under the default mode
   float32 master weight stays float32. The gradient of an operand that the
   forward product received in the low dtype (an activation) is in the low
   dtype, as the derivative of an autocast product gives it: a whole training
-  step under autocast runs the backward GEMMs of an autocast loss. A dot written with ``precision=HIGH`` or
-  ``HIGHEST`` (or under ``jax.default_matmul_precision("highest")``) runs in
-  float32.
+  step under autocast runs the backward GEMMs of an autocast loss. A dot
+  written with ``precision=HIGH`` or ``HIGHEST`` (or under
+  ``jax.default_matmul_precision("highest")``) runs in float32.
 * **Deny** ops run in float32. Ops flagged ``narrow_range`` (``square``,
   ``integer_pow``, ``reciprocal``) are denied only under float16; under
   bfloat16, which has float32's range, they are gray.

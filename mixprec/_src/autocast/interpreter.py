@@ -43,7 +43,6 @@ from mixprec._src import _compat
 from mixprec._src.autocast import attention, ops, regions
 from mixprec._src.autocast.avals import aval_dtype, aval_shape, float_dtype, same_shape
 from mixprec._src.autocast.config import CastConfig
-from mixprec._src.autocast.platforms import per_platform
 from mixprec._src.autocast.decide import (
     CONST,
     FOLLOWS,
@@ -59,6 +58,7 @@ from mixprec._src.autocast.decide import (
     literal_mark,
     out_marks,
 )
+from mixprec._src.autocast.platforms import per_platform
 
 
 __all__ = [
@@ -597,7 +597,8 @@ def eval_jaxpr(
         mk[v] = m
     # A recognised attention runs as one unit when its last equation is
     # reached (its inputs are all computed by then); its other equations wait.
-    fusable = _attentions(walk, jaxpr, consts)
+    open_jaxpr: Jaxpr = jaxpr  # type: ignore[assignment]
+    fusable = _attentions(walk, open_jaxpr, consts)
     skip = {i for m in fusable.values() for i in m.region if i != m.anchor}
     for index, eqn in enumerate(jaxpr.eqns):
         if index in skip:
@@ -605,7 +606,7 @@ def eval_jaxpr(
         match = fusable.get(index)
         if match is None:
             _step(walk, eqn, env, mk)
-        elif not _run_attention(walk, jaxpr, match, env, mk):
+        elif not _run_attention(walk, open_jaxpr, match, env, mk):
             for i in sorted(match.region):
                 _step(walk, jaxpr.eqns[i], env, mk)
     outs = [v.val if type(v) is Literal else env[v] for v in jaxpr.outvars]
@@ -667,7 +668,9 @@ def _run_attention(
         lmk = dict(zip(match.inputs, marks, strict=True))
         for eqn in region:
             invals = [v.val if type(v) is Literal else local[v] for v in eqn.invars]
-            inmarks = [literal_mark() if type(v) is Literal else lmk[v] for v in eqn.invars]
+            inmarks = [
+                literal_mark() if type(v) is Literal else lmk[v] for v in eqn.invars
+            ]
             with _eqn_context(eqn):
                 outs, outmarks = run_eqn(plain.for_eqn(eqn), eqn, invals, inmarks)
             for v, x, m in zip(eqn.outvars, outs, outmarks, strict=True):
