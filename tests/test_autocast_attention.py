@@ -161,6 +161,8 @@ def test_attention_is_one_entry_with_its_reason_and_line(name):
     assert op.decision == "low" and op.dtype == "bfloat16"
     assert "attention" in op.reason and "softmax" in op.reason
     assert op.source and "test_autocast_attention.py" in op.source
+    # Its FLOPs are those of the two matmuls it replaces.
+    assert op.flops == 2 * (2 * B * N * T * T * H)
     if name in ("gpt_causal", "dpa_causal"):
         assert "causal mask" in op.reason
 

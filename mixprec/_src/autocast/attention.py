@@ -533,11 +533,14 @@ def _match_at(jaxpr: Jaxpr, users: dict[Any, list[int]], first: int) -> Match:
     if any(s.kind == "bias" for s in steps):
         parts.append("bias")
     parts += ["softmax", "·v"]
+    # The two matmuls' FLOPs: 2 b t s h for the scores, 2 b t s h_v for ·v.
+    qs = _shape(q_op)
+    flops = 2 * math.prod(batch) * qs[qseq] * _shape(k_op)[kseq] * (qs[qc] + vs[vh])
     record = new_jaxpr_eqn(
         [q_op, k_op, v],
         list(dot2.outvars),
         ATTENTION_P,
-        {},
+        {"flops": flops},
         set(),
         dot1.source_info,
     )
