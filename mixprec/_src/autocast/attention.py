@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -187,12 +188,31 @@ def _scalar_literal(jaxpr: Jaxpr, v: Any) -> float | None:
     """The value of a scalar literal, possibly broadcast or converted."""
     if isinstance(v, Literal):
         return float(np.asarray(v.val)) if np.ndim(v.val) == 0 else None
-    for eqn in jaxpr.eqns:
-        if v in eqn.outvars:
-            if eqn.primitive.name in ("broadcast_in_dim", "convert_element_type"):
-                return _scalar_literal(jaxpr, eqn.invars[0])
-            return None
+    eqn = _producers(jaxpr).get(v)
+    if eqn is not None and eqn.primitive.name in (
+        "broadcast_in_dim",
+        "convert_element_type",
+    ):
+        return _scalar_literal(jaxpr, eqn.invars[0])
     return None
+
+
+_producer_maps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _producers(jaxpr: Jaxpr) -> dict[Any, JaxprEqn]:
+    """The equation that computes each variable of ``jaxpr``."""
+    try:
+        found = _producer_maps.get(jaxpr)
+    except TypeError:
+        found = None
+    if found is None:
+        found = {o: e for e in jaxpr.eqns for o in e.outvars}
+        try:
+            _producer_maps[jaxpr] = found
+        except TypeError:
+            pass
+    return found
 
 
 def _only_user(users: dict[Any, list[int]], v: Any) -> int:
@@ -604,17 +624,17 @@ def _concrete(jaxpr: Jaxpr, consts: Sequence[Any], v: Any, memo: dict) -> Any:
         val = consts[list(jaxpr.constvars).index(v)]
         memo[v] = None if _compat.is_tracer(val) else val
         return memo[v]
-    for eqn in jaxpr.eqns:
-        if v in eqn.outvars:
-            args = [_concrete(jaxpr, consts, u, memo) for u in eqn.invars]
-            if any(a is None for a in args):
-                memo[v] = None
-                return None
-            with jax.ensure_compile_time_eval():
-                res = _bind(eqn, args)
-            for o, r in zip(eqn.outvars, res, strict=True):
-                memo[o] = np.asarray(r)
-            return memo[v]
+    eqn = _producers(jaxpr).get(v)
+    if eqn is not None:
+        args = [_concrete(jaxpr, consts, u, memo) for u in eqn.invars]
+        if any(a is None for a in args):
+            memo[v] = None
+            return None
+        with jax.ensure_compile_time_eval():
+            res = _bind(eqn, args)
+        for o, r in zip(eqn.outvars, res, strict=True):
+            memo[o] = np.asarray(r)
+        return memo[v]
     memo[v] = None
     return None
 
