@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import mixprec
 import mixprec.optax as mpo
+from mixprec._src.autocast import capability
 
 
 pytestmark = pytest.mark.standard_promotion  # optax's momentum update
@@ -203,3 +204,70 @@ def test_without_axis_name_unreduced_grads_would_diverge(mesh):
     _, _, stats = step(_params(), opt.init(_params()), x, y, jnp.int32(3))
     flags = np.asarray(stats["last_finite"]).tolist()
     assert flags == [True, True, True, False, True, True, True, True]
+
+
+# --- Autocast over a batch sharded on an Auto mesh -------------------------------
+
+_H, _D = 4, 16
+
+
+def _attn_params():
+    ks = jax.random.split(jax.random.key(0), 4)
+    return {
+        n: jax.random.normal(k, (_H * _D, _H * _D)) * 0.05
+        for n, k in zip(("wq", "wk", "wv", "wo"), ks, strict=True)
+    }
+
+
+def _attn_loss(p, x):
+    b, t, _ = x.shape
+    q = (x @ p["wq"]).reshape(b, t, _H, _D)
+    k = (x @ p["wk"]).reshape(b, t, _H, _D)
+    v = (x @ p["wv"]).reshape(b, t, _H, _D)
+    s = jnp.einsum("bthd,bshd->bhts", q, k) / jnp.sqrt(jnp.float32(_D)).astype(q.dtype)
+    a = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("bhts,bshd->bthd", a, v).reshape(b, t, _H * _D)
+    return jnp.mean((o @ p["wo"]) ** 2)
+
+
+_ATTN_OPT = optax.sgd(0.1, momentum=0.9)
+
+
+def _attn_step(p, s, x):
+    loss, g = jax.value_and_grad(_attn_loss)(p, x)
+    u, s = _ATTN_OPT.update(g, s, p)
+    return optax.apply_updates(p, u), s, loss
+
+
+def _attn_loss_only_step(p, s, x, *, policy):
+    loss, g = jax.value_and_grad(mixprec.autocast(_attn_loss, policy))(p, x)
+    u, s = _ATTN_OPT.update(g, s, p)
+    return optax.apply_updates(p, u), s, loss
+
+
+@pytest.mark.parametrize("formulation", ["native", "emulated"])
+@pytest.mark.parametrize("where", ["whole_step", "loss_only"])
+def test_autocast_attention_train_step_on_auto_mesh(mesh, formulation, where):
+    # The transpose of a dot under a mesh carries an out_sharding on the Auto
+    # mesh that shards nothing; treating it as explicit kept a bf16 x bf16 ->
+    # f32 dot that XLA:CPU's DotThunk cannot run (native formulation).
+    x = jax.random.normal(jax.random.key(1), (16, 32, _H * _D))
+    p = _attn_params()
+    s = _ATTN_OPT.init(p)
+    ref = jax.jit(_attn_step)(p, s, x)
+    xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+    with capability.override(formulation):
+        if where == "whole_step":
+            f = mixprec.autocast(_attn_step, "mixed_bfloat16")
+        else:
+            f = ft.partial(_attn_loss_only_step, policy="mixed_bfloat16")
+        p1, s1, loss = jax.jit(f)(p, s, xs)
+    assert loss.dtype == jnp.float32 and bool(jnp.isfinite(loss))
+    assert_trees_close(loss, ref[2], dtype=jnp.bfloat16)
+    # One SGD step: the update is -0.1 x the gradient.
+    update = jax.tree.map(jnp.subtract, p1, p)
+    ref_update = jax.tree.map(jnp.subtract, ref[0], p)
+    assert_trees_close(update, ref_update, dtype=jnp.bfloat16, grad=True)
+    for leaf in jax.tree.leaves(p1):
+        assert leaf.dtype == jnp.float32
+        _replicas_identical(leaf)
