@@ -455,15 +455,18 @@ class _Plan(NamedTuple):
     low: np.dtype
     cpu: str  # "native", "emulated" or "upcast": the CPU formulation
     f32_out: bool  # the caller keeps a float32 result: accumulate in float32
+    # The dtype the GEMM writes its result in, when the communication policy
+    # says (its gradient reduction dtype); None: the formulation's own.
+    emit: np.dtype | None = None
 
 
 def _cpu_forward(plan: _Plan, lhs_l: jax.Array, rhs_l: jax.Array) -> jax.Array:
     """The float32 product of rounded operands on CPU."""
     if plan.cpu == "emulated":
-        return _rounded_f32_dot(lhs_l, rhs_l, plan.dn, plan.precision)
+        return _rounded_f32_dot(lhs_l, rhs_l, plan.dn, plan.precision, plan.emit)
     return _canonical_dot(
-        lhs_l, rhs_l, plan.dn, plan.precision, _F32, plan.cpu == "native"
-    )
+        lhs_l, rhs_l, plan.dn, plan.precision, plan.emit or _F32, plan.cpu == "native"
+    ).astype(_F32)
 
 
 def _accelerator_forward(plan: _Plan, lhs_l: jax.Array, rhs_l: jax.Array) -> jax.Array:
@@ -475,9 +478,15 @@ def _accelerator_forward(plan: _Plan, lhs_l: jax.Array, rhs_l: jax.Array) -> jax
         rhs_l,
         plan.dn,
         precision=plan.precision,
-        preferred_element_type=_F32 if plan.f32_out else None,
+        preferred_element_type=_accelerator_emit(plan),
     )
     return out.astype(_F32)
+
+
+def _accelerator_emit(plan: _Plan) -> np.dtype | None:
+    if plan.emit is not None:
+        return plan.emit
+    return _F32 if plan.f32_out else None
 
 
 def _forward(plan: _Plan, platform: str | None, lhs: Any, rhs: Any) -> jax.Array:
@@ -491,12 +500,21 @@ def _forward(plan: _Plan, platform: str | None, lhs: Any, rhs: Any) -> jax.Array
 
 
 def _rounded_f32_dot(
-    lhs_l: jax.Array, rhs_l: jax.Array, dn: _DimNums, precision: Any
+    lhs_l: jax.Array,
+    rhs_l: jax.Array,
+    dn: _DimNums,
+    precision: Any,
+    emit: np.dtype | None = None,
 ) -> jax.Array:
-    """The product of low-precision operands as one float32 ``dot_general``."""
+    """The product of low-precision operands as one float32 ``dot_general``
+    (its result written in ``emit`` when given), in float32."""
     return lax.dot_general(
-        lhs_l.astype(_F32), rhs_l.astype(_F32), dn, precision=precision
-    )
+        lhs_l.astype(_F32),
+        rhs_l.astype(_F32),
+        dn,
+        precision=precision,
+        preferred_element_type=emit,
+    ).astype(_F32)
 
 
 def _saved(x: jax.Array, x_low: jax.Array, alive: bool) -> jax.Array:
@@ -758,6 +776,7 @@ def dot_general(
     platform: str | None = None,
     cpu_bf16: str | None = None,
     alive: tuple[bool, bool] = (False, False),
+    reduce_dtype: DTypeLike | None = None,
 ) -> jax.Array:
     """A ``lax.dot_general`` with inputs rounded to ``low_dtype``, in ``out_dtype``.
 
@@ -795,6 +814,13 @@ def dot_general(
       alive: per operand, whether it stays alive for the whole call anyway
         (an input of the transformed function), so that the backward pass
         keeps it as it is rather than in a 16-bit copy.
+      reduce_dtype: the dtype the GEMM writes its result in (``None``: the
+        formulation's own: float32 on CPU, the low dtype elsewhere unless
+        ``out_dtype`` is float32). Where a partitioner sums the product's
+        partial results across devices (a gradient of sharded data, a
+        row-parallel layer), it sums them in this dtype: autocast passes the
+        policy's ``reduce_dtype`` for products that compute a gradient or
+        read a parameter.
 
     Returns:
       The product, with dtype ``out_dtype``.
@@ -821,6 +847,7 @@ def dot_general(
         platform=platform,
         cpu_bf16=cpu_bf16,
         alive=alive,
+        reduce_dtype=reduce_dtype,
     ).astype(out_dtype)
 
 
@@ -837,6 +864,7 @@ def wide_dot_general(
     platform: str | None = None,
     cpu_bf16: str | None = None,
     alive: tuple[bool, bool] = (False, False),
+    reduce_dtype: DTypeLike | None = None,
 ) -> jax.Array:
     """:func:`dot_general` before its result is rounded to ``out_dtype``.
 
@@ -864,7 +892,8 @@ def wide_dot_general(
         )
     plat = canonical_platform(platform)
     kind = _cpu_kind(low, cpu_bf16)
-    plan = _Plan(dn, precision, low, kind, out == _F32)
+    emit = None if reduce_dtype is None else np.dtype(reduce_dtype)
+    plan = _Plan(dn, precision, low, kind, out == _F32, emit)
     if explicitly_sharded(out_sharding, lhs, rhs):
         # Explicit sharding: the reshapes of the canonical layout and the
         # custom backward would need output shardings of their own, so keep
@@ -891,9 +920,9 @@ def _explicit_cpu(plan: _Plan, out_sharding: Any, lhs: Any, rhs: Any) -> jax.Arr
         rhs_l,
         plan.dn,
         precision=plan.precision,
-        preferred_element_type=_F32,
+        preferred_element_type=plan.emit or _F32,
         out_sharding=out_sharding if _constrains(out_sharding) else None,
-    )
+    ).astype(_F32)
 
 
 def _explicit_accelerator(
@@ -905,7 +934,7 @@ def _explicit_accelerator(
         rhs.astype(plan.low),
         plan.dn,
         precision=plan.precision,
-        preferred_element_type=_F32 if plan.f32_out else None,
+        preferred_element_type=_accelerator_emit(plan),
         out_sharding=out_sharding if _constrains(out_sharding) else None,
     )
     return res.astype(_F32)
@@ -1114,6 +1143,7 @@ def dot_general_product(
     platform: str | None,
     cpu_bf16: str | None,
     alive: tuple[bool, bool],
+    reduce_dtype: np.dtype | None = None,
 ) -> jax.Array:
     """A ``dot_general`` equation (``params``) run in 16 bits: the float32
     product of :func:`wide_dot_general`."""
@@ -1130,6 +1160,7 @@ def dot_general_product(
         platform=platform,
         cpu_bf16=cpu_bf16,
         alive=alive,
+        reduce_dtype=reduce_dtype,
     )
 
 
@@ -1145,11 +1176,12 @@ def conv_product(
     platform: str | None,
     cpu_bf16: str | None,
     alive: tuple[bool, bool],
+    reduce_dtype: np.dtype | None = None,
 ) -> jax.Array:
     """A ``conv_general_dilated`` equation (``params``) run in 16 bits, in
     float32: accumulated in float32 on CPU, the 16-bit result widened elsewhere
     (JAX's own derivative rules, in both modes)."""
-    del extra, out_dtype, custom_vjp, cpu_bf16, alive
+    del extra, out_dtype, custom_vjp, cpu_bf16, alive, reduce_dtype
     return conv_general_dilated(
         lhs, rhs, low_dtype=low_dtype, out_dtype=_F32, platform=platform, **params
     )
@@ -1198,12 +1230,13 @@ def ragged_dot_product(
     platform: str | None,
     cpu_bf16: str | None,
     alive: tuple[bool, bool],
+    reduce_dtype: np.dtype | None = None,
 ) -> jax.Array:
     """A ``ragged_dot_general`` equation run in 16 bits, in float32: operands
     rounded to ``low_dtype``, accumulated in float32 on CPU (XLA:CPU has no
     16-bit grouped-matmul kernel), ``low x low -> low`` elsewhere (float32 when
     the caller keeps a float32 result); JAX's derivative rules."""
-    del custom_vjp, cpu_bf16, alive
+    del custom_vjp, cpu_bf16, alive, reduce_dtype
     (group_sizes,) = extra
     kw = {k: v for k, v in params.items() if k != "preferred_element_type"}
     if kw.get("out_sharding") is None:

@@ -115,6 +115,7 @@ class Walk:
 
     __slots__ = (
         "backward",
+        "casts",
         "composite",
         "config",
         "current",
@@ -157,6 +158,11 @@ class Walk:
         # converted (`jnp.full(shape, finfo.min)`), by outvar: a cast of one
         # saturates that scalar instead of emitting a clamp.
         self.scalars: dict[Any, Any] = {}
+        # Inputs of the function rounded for a product, by (id, dtype): one
+        # rounding per parameter, shared by its forward and backward products,
+        # so a sharded parameter is gathered once per step. The input is kept
+        # beside its rounding, so that its id stays its own.
+        self.casts: dict[tuple[int, Any], tuple[Any, Any]] = {}
 
     def _copy(self, **changes: Any) -> Walk:
         kw = {
@@ -591,7 +597,7 @@ def eval_jaxpr(
         inmarks = [literal_mark() if type(v) is Literal else mk[v] for v in eqn.invars]
         w = walk.for_eqn(eqn)
         if w is not walk:
-            w.wide, w.scalars = walk.wide, walk.scalars
+            w.wide, w.scalars, w.casts = walk.wide, walk.scalars, walk.casts
         with _eqn_context(eqn):
             outs, outmarks = run_eqn(w, eqn, invals, inmarks)
         for v, x, m in zip(eqn.outvars, outs, outmarks, strict=True):
