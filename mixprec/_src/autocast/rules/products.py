@@ -57,27 +57,27 @@ def _saturated(ctx: CastContext, vals: tuple[Any, ...], low: np.dtype) -> list[A
 
 def _reduce_dtype(
     ctx: CastContext, vals: tuple[Any, ...], out: np.dtype
-) -> np.dtype | None:
-    """The dtype the product's GEMM writes its result in, for the policy's
-    gradient reductions (``None``: the formulation's own).
+) -> tuple[np.dtype | None, bool]:
+    """The policy's gradient reduction dtype for this product, and whether the
+    product computes a gradient (then its GEMM writes its result in it).
 
     Under a partitioner the all-reduce (or reduce-scatter) of a gradient
     lands on the GEMM that computes it, in the dtype that GEMM writes:
 
     * a product of the backward pass whose result is a float32 gradient (a
       train step under autocast: the weight gradient ``x^T g``);
-    * a product that reads a float32 input of the function (a parameter):
-      JAX's transpose of it writes the parameter's gradient in the dtype
-      this product writes (the loss under autocast, differentiated outside).
+    * the backward products of a product that reads a float32 input of the
+      function (a parameter), when the loss under autocast is differentiated
+      outside: they write the parameter's gradient in it.
     """
     reduce = ctx.config.policy.reduce_dtype
     marks = ctx.marks[: len(vals)]
     if any(m & GRAD for m in marks) and np.dtype(out) == _F32:
-        return reduce
+        return reduce, True
     for x, m in zip(vals, marks, strict=True):
         if m & INPUT and not m & CONST and float_dtype(x) == _F32:
-            return reduce
-    return None
+            return reduce, False
+    return None, False
 
 
 def _rounded_input(ctx: CastContext, x: Any, mark: int, low: np.dtype) -> Any:
@@ -140,7 +140,7 @@ def _product_rule(
     if low is None:
         return itp.default_rule(ctx.eqn.primitive, ctx, lhs, rhs, *extra, **params)
     lhs, rhs = _saturated(ctx, (lhs, rhs), low)
-    reduce = _reduce_dtype(ctx, (lhs, rhs), d.out_dtype or low)
+    reduce, gradient = _reduce_dtype(ctx, (lhs, rhs), d.out_dtype or low)
     lhs, rhs = (
         _rounded_input(ctx, x, m, low)
         for x, m in zip((lhs, rhs), ctx.marks[:2], strict=True)
@@ -158,6 +158,7 @@ def _product_rule(
         cpu_bf16=ctx.config.cpu_bf16,
         alive=(bool(ctx.marks[0] & INPUT), bool(ctx.marks[1] & INPUT)),
         reduce_dtype=reduce,
+        gradient=gradient,
     )
     _note_formulation(ctx, product, low)
     return _rounded(ctx, product, wide, out_dtype)
