@@ -72,7 +72,8 @@ def _reduce_dtype(
     """
     reduce = ctx.config.policy.reduce_dtype
     marks = ctx.marks[: len(vals)]
-    if any(m & GRAD for m in marks) and np.dtype(out) == _F32:
+    backward = ctx.walk.backward or any(m & GRAD for m in marks)
+    if backward and np.dtype(out) == _F32:
         return reduce, True
     for x, m in zip(vals, marks, strict=True):
         if m & INPUT and not m & CONST and float_dtype(x) == _F32:
