@@ -56,7 +56,9 @@ from typing import Any
 
 N_DEV = 8
 if __name__ == "__main__":  # before JAX initialises its backends
-    os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={N_DEV}")
+    os.environ.setdefault(
+        "XLA_FLAGS", f"--xla_force_host_platform_device_count={N_DEV}"
+    )
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -79,9 +81,7 @@ KINDS = (
 _ITEMSIZE = {"f32": 4, "bf16": 2, "f16": 2, "f64": 8, "s32": 4, "u32": 4, "pred": 1}
 _SHAPE = re.compile(r"\b(f32|bf16|f16|f64|s32|u32|pred)\[([0-9,]*)\]")
 _COLLECTIVE = re.compile(
-    r"^\s*(?:ROOT\s+)?%\S+\s*=\s*(.*?)\s+("
-    + "|".join(KINDS)
-    + r")(?:-start)?\("
+    r"^\s*(?:ROOT\s+)?%\S+\s*=\s*(.*?)\s+(" + "|".join(KINDS) + r")(?:-start)?\("
 )
 
 
@@ -98,8 +98,12 @@ class Size:
 
 
 SIZES = {
-    "full": Size(d=512, heads=8, ff=2048, layers=4, vocab=2048, seq=64, batch=16, mlp_tokens=256),
-    "tiny": Size(d=64, heads=4, ff=256, layers=2, vocab=256, seq=16, batch=8, mlp_tokens=32),
+    "full": Size(
+        d=512, heads=8, ff=2048, layers=4, vocab=2048, seq=64, batch=16, mlp_tokens=256
+    ),
+    "tiny": Size(
+        d=64, heads=4, ff=256, layers=2, vocab=256, seq=16, batch=8, mlp_tokens=32
+    ),
 }
 
 
@@ -221,9 +225,13 @@ def _init_mlp(size: Size) -> dict[str, Any]:
     for _ in range(2):
         blocks.append(
             {
-                "w1": jnp.asarray(rng.normal(size=(size.d, size.ff)) / size.d**0.5, jnp.float32),
+                "w1": jnp.asarray(
+                    rng.normal(size=(size.d, size.ff)) / size.d**0.5, jnp.float32
+                ),
                 "b1": jnp.zeros(size.ff),
-                "w2": jnp.asarray(rng.normal(size=(size.ff, size.d)) / size.ff**0.5, jnp.float32),
+                "w2": jnp.asarray(
+                    rng.normal(size=(size.ff, size.d)) / size.ff**0.5, jnp.float32
+                ),
                 "b2": jnp.zeros(size.d),
             }
         )
@@ -280,8 +288,26 @@ def _mlp_batch(size: Size) -> tuple[jax.Array, jax.Array]:
 
 
 WORKLOADS = {
-    "fsdp": Workload("fsdp", (N_DEV,), ("data",), _init_transformer, _transformer_loss, _fsdp_spec, _tokens, P("data")),
-    "tp_mlp": Workload("tp_mlp", (2, 4), ("data", "model"), _init_mlp, _mlp_loss, _tp_spec, _mlp_batch, (P("data"), P("data"))),
+    "fsdp": Workload(
+        "fsdp",
+        (N_DEV,),
+        ("data",),
+        _init_transformer,
+        _transformer_loss,
+        _fsdp_spec,
+        _tokens,
+        P("data"),
+    ),
+    "tp_mlp": Workload(
+        "tp_mlp",
+        (2, 4),
+        ("data", "model"),
+        _init_mlp,
+        _mlp_loss,
+        _tp_spec,
+        _mlp_batch,
+        (P("data"), P("data")),
+    ),
 }
 
 
@@ -329,7 +355,9 @@ VARIANTS = (
 
 def run_variant(wl: Workload, size: Size, variant: str, steps: int) -> dict[str, Any]:
     """Compiles one variant's step, reads its collectives, runs ``steps`` steps."""
-    mesh = jax.make_mesh(wl.mesh_shape, wl.axes, axis_types=(jax.sharding.AxisType.Auto,) * len(wl.axes))
+    mesh = jax.make_mesh(
+        wl.mesh_shape, wl.axes, axis_types=(jax.sharding.AxisType.Auto,) * len(wl.axes)
+    )
     params = wl.init(size)
     pspecs = jax.tree_util.tree_map_with_path(wl.param_spec, params)
     shard = lambda tree, specs: jax.tree.map(  # noqa: E731
@@ -339,7 +367,9 @@ def run_variant(wl: Workload, size: Size, variant: str, steps: int) -> dict[str,
     # AdamW's moments keep their parameter's sharding; the step count is replicated.
     repl = NamedSharding(mesh, P())
     opt_state = jax.tree.map(
-        lambda a: a if isinstance(a.sharding, NamedSharding) else jax.device_put(a, repl),
+        lambda a: (
+            a if isinstance(a.sharding, NamedSharding) else jax.device_put(a, repl)
+        ),
         OPT.init(params),
     )
     batch = wl.batch(size)
@@ -351,13 +381,13 @@ def run_variant(wl: Workload, size: Size, variant: str, steps: int) -> dict[str,
     for _ in range(steps):
         params, opt_state, value = compiled(params, opt_state, batch)
         losses.append(float(value))
-    leaves_ok = all(
-        a.dtype == jnp.float32 for a in jax.tree.leaves(params)
-    )
+    leaves_ok = all(a.dtype == jnp.float32 for a in jax.tree.leaves(params))
     return {
         "variant": variant,
         "collectives": collective_bytes(hlo),
-        "temp_bytes": int(getattr(mem, "temp_size_in_bytes", 0)) if mem is not None else None,
+        "temp_bytes": int(getattr(mem, "temp_size_in_bytes", 0))
+        if mem is not None
+        else None,
         "losses": losses,
         "params_float32": leaves_ok,
     }
@@ -409,7 +439,9 @@ def environment() -> dict[str, Any]:
     except OSError:
         pass
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+            timespec="seconds"
+        ),
         "jax": jax.__version__,
         "python": platform.python_version(),
         "devices": [str(d) for d in jax.devices()],
@@ -426,10 +458,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--cpu-bf16", choices=capability.CHOICES, default="native")
-    ap.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "results", "bench_scaleout_cpu.json"))
+    ap.add_argument(
+        "--out",
+        default=os.path.join(_ROOT, "benchmarks", "results", "bench_scaleout_cpu.json"),
+    )
     args = ap.parse_args(argv)
     if len(jax.devices()) < N_DEV:
-        sys.exit(f"needs {N_DEV} devices; run as a script (it sets XLA_FLAGS) or set them.")
+        sys.exit(
+            f"needs {N_DEV} devices; run as a script (it sets XLA_FLAGS) or set them."
+        )
     size = SIZES[args.size]
     results: dict[str, list[dict[str, Any]]] = {}
     with capability.override(args.cpu_bf16):
