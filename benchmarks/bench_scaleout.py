@@ -411,7 +411,8 @@ def _cell(c: dict[str, dict[str, int]], kinds: tuple[str, ...]) -> str:
 
 def table(results: dict[str, list[dict[str, Any]]]) -> str:
     lines = [
-        "| workload | variant | all-gather MB | all-reduce + reduce-scatter MB | other MB | temp MB | loss - float32 |",
+        "| workload | variant | all-gather MB | all-reduce + reduce-scatter MB "
+        "| other MB | temp MB | loss - float32 |",
         "|---|---|---|---|---|---:|---:|",
     ]
     for wl, rows in results.items():
@@ -439,9 +440,7 @@ def environment() -> dict[str, Any]:
     except OSError:
         pass
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
-            timespec="seconds"
-        ),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "jax": jax.__version__,
         "python": platform.python_version(),
         "devices": [str(d) for d in jax.devices()],
