@@ -446,3 +446,45 @@ def test_autocast_every_device_skips_together(mesh, policy, where, formulation):
     assert p2["w"].sharding == cols and p2["w"].dtype == jnp.float32
     _replicas_identical(p2["b"])
     _replicas_identical(_st(s2).loss_scale.loss_scale)
+
+
+@pytest.mark.parametrize(
+    "policy,reduce",
+    [
+        ("mixed_bfloat16", "float32"),
+        ("mixed_bfloat16", "bfloat16"),
+        ("mixed_float16", "float16"),
+    ],
+)
+def test_shard_map_psum_follows_the_reduce_dtype(mesh, policy, reduce):
+    # Data parallel written by hand: per-device gradients, then a psum.
+    def step(p, x):
+        g = jax.grad(_mlp_loss)(p, x)
+        g = jax.tree.map(lambda a: jax.lax.psum(a, "data") / N_DEV, g)
+        return _sgd(p, g)
+
+    pol = mixprec.get_policy(policy).with_reduce_dtype(reduce)
+    f = jax.jit(
+        jax.shard_map(
+            mixprec.autocast(step, pol),
+            mesh=mesh,
+            in_specs=(P(), P("data")),
+            out_specs=P(),
+            check_vma=False,
+        )
+    )
+    p, x = _comm_inputs(mesh, fsdp=False)
+    hlo, compiled = _BENCH.partitioned_hlo(f.lower(p, x))
+    comm = _BENCH.collective_bytes(hlo)
+    itemsize = np.dtype(jnp.dtype(reduce)).itemsize
+    assert comm == {"all-reduce": {_NAMES[reduce]: 2 * 8192 * itemsize}}, comm
+    p1 = compiled(p, x)
+    ref = jax.jit(lambda p, x: _sgd(p, jax.grad(_mlp_loss)(p, x)))(p, x)
+    for a in jax.tree.leaves(p1):
+        assert a.dtype == jnp.float32  # the sum comes back in its operand's dtype
+        _replicas_identical(a)
+    upd = jax.tree.map(jnp.subtract, p1, p)
+    ref_upd = jax.tree.map(jnp.subtract, ref, p)
+    assert_trees_close(
+        upd, ref_upd, dtype=jnp.dtype(policy.removeprefix("mixed_")), grad=True
+    )
