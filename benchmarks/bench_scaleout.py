@@ -32,9 +32,12 @@ Usage::
 
     python benchmarks/bench_scaleout.py                 # both workloads, full size
     python benchmarks/bench_scaleout.py --size tiny --steps 2
+    python benchmarks/bench_scaleout.py --grad-error     # gradients vs float32 only
 
 Writes JSON (``--out``, default ``benchmarks/results/bench_scaleout_cpu.json``)
 with the CPU's flags, the JAX version and the date, and prints a Markdown table.
+``--grad-error`` measures instead, per autocast variant and reduce dtype, each
+weight matrix's gradient error against float32's (``..._grad_error.json``).
 """
 
 from __future__ import annotations
@@ -393,6 +396,51 @@ def run_variant(wl: Workload, size: Size, variant: str, steps: int) -> dict[str,
     }
 
 
+def grad_errors(wl: Workload, size: Size) -> dict[str, dict[str, float]]:
+    """Per autocast variant and reduce dtype: the relative L2 error of each
+    weight matrix's gradient (one batch, the same float32 weights) against the
+    float32 gradient, median and max over the matrices."""
+    mesh = jax.make_mesh(
+        wl.mesh_shape, wl.axes, axis_types=(jax.sharding.AxisType.Auto,) * len(wl.axes)
+    )
+
+    def put(tree: Any, specs: Any) -> Any:
+        return jax.tree.map(
+            lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), tree, specs
+        )
+
+    params = wl.init(size)
+    params = put(params, jax.tree_util.tree_map_with_path(wl.param_spec, params))
+    batch = put(wl.batch(size), wl.batch_spec)
+
+    def loss(p: Any, b: Any) -> jax.Array:
+        return wl.loss(size, p, b)
+
+    ref = jax.tree.leaves(jax.jit(jax.grad(loss))(params, batch))
+    out = {}
+    for where in ("loss_only", "whole_step"):
+        for reduce in ("float32", "bfloat16"):
+            policy = mixprec.get_policy("mixed_bfloat16").with_reduce_dtype(reduce)
+            if where == "loss_only":
+                f = jax.grad(mixprec.autocast(loss, policy))
+            else:
+                f = mixprec.autocast(jax.grad(loss), policy)
+            grads = jax.tree.leaves(jax.jit(f)(params, batch))
+            errs = [
+                float(jnp.linalg.norm((g - r).ravel()) / jnp.linalg.norm(r.ravel()))
+                for g, r in zip(grads, ref, strict=True)
+                if r.ndim == 2
+            ]
+            out[f"{where}_r{_NAMES[reduce]}"] = {
+                "median": float(np.median(errs)),
+                "max": float(np.max(errs)),
+            }
+    return out
+
+
+_NAMES = {"float32": "f32", "bfloat16": "bf16"}
+
+
 # --- report -------------------------------------------------------------------------
 
 
@@ -458,6 +506,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--cpu-bf16", choices=capability.CHOICES, default="native")
     ap.add_argument(
+        "--grad-error",
+        action="store_true",
+        help="measure only the gradients' error against float32 per reduce dtype",
+    )
+    ap.add_argument(
         "--out",
         default=os.path.join(_ROOT, "benchmarks", "results", "bench_scaleout_cpu.json"),
     )
@@ -467,6 +520,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"needs {N_DEV} devices; run as a script (it sets XLA_FLAGS) or set them."
         )
     size = SIZES[args.size]
+    if args.grad_error:
+        with capability.override(args.cpu_bf16):
+            errors = {
+                n: grad_errors(WORKLOADS[n], size) for n in args.workloads.split(",")
+            }
+        data = {"environment": environment(), "size": dataclasses.asdict(size)}
+        data["grad_error"] = errors
+        path = args.out.replace(".json", "_grad_error.json")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(data, f, indent=1)
+        print(json.dumps(errors, indent=1))
+        return data
     results: dict[str, list[dict[str, Any]]] = {}
     with capability.override(args.cpu_bf16):
         for name in args.workloads.split(","):
