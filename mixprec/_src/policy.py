@@ -146,9 +146,10 @@ class Policy:
         gather_dtype: the communication dtype parameters are gathered in
             when they are sharded (FSDP/ZeRO-3): ``None`` (default) gathers
             them in :attr:`compute_dtype`, each gathered once per step and
-            reused by the backward pass. A wider dtype (``float32``) gathers
-            the master weights and rounds them after the gather. It may not be
-            narrower than :attr:`compute_dtype`.
+            reused by the backward pass. A wider dtype (``float32``) leaves
+            the rounding to each product, after the partitioner's gather of
+            the master weight. It may not be narrower than
+            :attr:`compute_dtype`.
         reduce_dtype: the communication dtype gradients are reduced in across
             devices (the all-reduce or reduce-scatter of a data-parallel or
             FSDP gradient, a ``psum`` of gradients in ``shard_map``): float32 by
