@@ -93,7 +93,12 @@ from jax.extend.core import JaxprEqn, Literal
 from mixprec._src import _compat, float8 as f8
 from mixprec._src.autocast import ops
 from mixprec._src.autocast.avals import aval_shape, float_dtype, same_shape, size
-from mixprec._src.autocast.ops import FLOAT32_ONLY, NARROW_RANGE, OpClass
+from mixprec._src.autocast.ops import (
+    CROSS_DEVICE_SUM,
+    FLOAT32_ONLY,
+    NARROW_RANGE,
+    OpClass,
+)
 
 
 __all__ = [
@@ -236,6 +241,7 @@ def decide(
     float8_align: tuple[tuple[str, int], ...] = (),
     float8_rowwise: bool = True,
     gradients: tuple[bool, ...] = (),
+    reduce: np.dtype | None = None,
 ) -> Decision:
     """Decides the precision of one equation (see the module docstring).
 
@@ -260,6 +266,7 @@ def decide(
         float8_rowwise: whether a rowwise recipe scales this op rowwise (a
             matmul) or tensorwise (a convolution).
         gradients: per operand, whether it is a gradient (goes to e5m2).
+        reduce: the policy's reduce dtype: a cross-device sum runs in it.
 
     Returns:
         The :class:`Decision`.
@@ -367,6 +374,16 @@ def decide(
             )
         return allow(f"allow list: lowered to {low}")
     if op_class == "deny":
+        if CROSS_DEVICE_SUM in flags and reduce is not None and reduce != _F32:
+            back = _widest(anchors)
+            return Decision(
+                Precision.LOW,
+                reduce,
+                op_class,
+                f"cross-device sum: in the policy's reduce dtype {reduce}, "
+                f"the result back in {back}",
+                out_dtype=back if back != reduce else None,
+            )
         if NARROW_RANGE not in flags or not has_float32_range(low):
             return float32("deny list: float32")
         if all(d == low for d in anchors):
@@ -754,6 +771,7 @@ def decide_eqn(
         backward=region.backward,
         high_precision=_asks_high_precision(eqn),
         traced_out=float_dtype(out_aval) if op_class == "allow" else None,
+        reduce=cfg.policy.reduce_dtype,
         **_float8_args(cfg, eqn, spec, op_class, marks, out_shape),
     )
     if (

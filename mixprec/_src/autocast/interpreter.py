@@ -116,6 +116,7 @@ class Walk:
 
     __slots__ = (
         "backward",
+        "casts",
         "composite",
         "config",
         "current",
@@ -185,6 +186,11 @@ class Walk:
     def producer(self, var: Any) -> JaxprEqn | None:
         """The equation that computed ``var`` in the jaxpr being walked."""
         return self.producers.get(var)
+        # Inputs of the function rounded for a product, by (id, dtype): one
+        # rounding per parameter, shared by its forward and backward products,
+        # so a sharded parameter is gathered once per step. The input is kept
+        # beside its rounding, so that its id stays its own.
+        self.casts: dict[tuple[int, Any], tuple[Any, Any]] = {}
 
     def _copy(self, **changes: Any) -> Walk:
         kw = {
@@ -634,6 +640,7 @@ def eval_jaxpr(
         w = walk.for_eqn(eqn)
         if w is not walk:
             w.wide, w.scalars, w.producers = walk.wide, walk.scalars, walk.producers
+            w.casts = walk.casts
             w.ranges, w.values = walk.ranges, walk.values
         with _eqn_context(eqn):
             outs, outmarks = run_eqn(w, eqn, invals, inmarks)
