@@ -171,6 +171,11 @@ class Walk:
         # small ones, to compute the constants made from them.
         self.ranges: dict[Any, tuple[float, float]] = {}
         self.values: dict[Any, Any] = {}
+        # Inputs of the function rounded for a product, by (id, dtype): one
+        # rounding per parameter, shared by its forward and backward products,
+        # so a sharded parameter is gathered once per step. The input is kept
+        # beside its rounding, so that its id stays its own.
+        self.casts: dict[tuple[int, Any], tuple[Any, Any]] = {}
 
     def constant_range(self, var: Any) -> tuple[float, float] | None:
         """``(largest finite, smallest non-zero)`` magnitude of a constant
@@ -186,11 +191,6 @@ class Walk:
     def producer(self, var: Any) -> JaxprEqn | None:
         """The equation that computed ``var`` in the jaxpr being walked."""
         return self.producers.get(var)
-        # Inputs of the function rounded for a product, by (id, dtype): one
-        # rounding per parameter, shared by its forward and backward products,
-        # so a sharded parameter is gathered once per step. The input is kept
-        # beside its rounding, so that its id stays its own.
-        self.casts: dict[tuple[int, Any], tuple[Any, Any]] = {}
 
     def _copy(self, **changes: Any) -> Walk:
         kw = {
