@@ -29,8 +29,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from mixprec._src.cli import timing  # noqa: E402
-from mixprec._src.cli.demo import train  # noqa: E402
+from mixprec._src.workloads import timing, train  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

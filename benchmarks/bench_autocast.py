@@ -78,8 +78,8 @@ from jax.extend import core as jex_core  # noqa: E402
 
 import mixprec  # noqa: E402
 from mixprec._src.autocast import dots  # noqa: E402
-from mixprec._src.cli import models, timing  # noqa: E402
-from mixprec._src.cli.models import LMConfig, MLPConfig  # noqa: E402
+from mixprec._src.workloads import models, timing  # noqa: E402
+from mixprec._src.workloads.models import LMConfig, MLPConfig  # noqa: E402
 
 
 BF16 = jnp.bfloat16

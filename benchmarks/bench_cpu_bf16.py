@@ -254,7 +254,7 @@ def _candidate_dots(how: str) -> Any:
 
 def dot_types(hlo_text: str) -> dict[str, int]:
     """``"lhs x rhs -> out"`` element types of the dots in compiled HLO text."""
-    from mixprec._src.cli import timing
+    from mixprec._src.workloads import timing
 
     counts: dict[str, int] = {}
     for lhs, rhs, out in timing.hlo_dot_types(hlo_text):
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     import mixprec
     from mixprec._src import _compat
     from mixprec._src.autocast import capability
-    from mixprec._src.cli import timing
+    from mixprec._src.workloads import timing
 
     sizes = ba.QUICK if args.quick else ba.FULL
     repeats = args.repeats or (1 if args.quick else 9)

@@ -35,8 +35,7 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 import mixprec  # noqa: E402
-from mixprec._src.cli import timing  # noqa: E402
-from mixprec._src.cli.demo import train  # noqa: E402
+from mixprec._src.workloads import timing, train  # noqa: E402
 
 
 LOSS_TARGET = 0.015  # relative to bfloat16's eval loss

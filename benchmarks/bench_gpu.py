@@ -92,8 +92,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from mixprec._src.cli import timing  # noqa: E402
-from mixprec._src.workloads import gpt2  # noqa: E402
+from mixprec._src.workloads import gpt2, timing  # noqa: E402
 
 
 Params = dict[str, Any]

@@ -51,8 +51,8 @@ import optax
 
 import mixprec
 import mixprec.optax as mpo
-from mixprec._src.cli import timing
-from mixprec._src.cli.demo.data import load_digits
+from mixprec._src.workloads import timing
+from mixprec._src.workloads.data import load_digits
 
 
 _RESULTS = pathlib.Path(__file__).resolve().parent / "results"

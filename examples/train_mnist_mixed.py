@@ -62,7 +62,11 @@ def train(policy_name: str, x, y, steps: int, batch: int = 128):
     policy = mixprec.get_policy(policy_name)
     mixed_loss = mixprec.autocast(loss_fn, policy)
     if policy.compute_dtype == jnp.float16:
-        loss_scale = mixprec.DynamicLossScale(2.0**15)
+        # Backs off after two non-finite steps in a row (the `loss_scaled` default;
+        # see "Choosing loss-scale settings" in docs/training.md).
+        loss_scale = mixprec.DynamicLossScale(
+            2.0**15, nonfinite_before_backoff=2, consecutive_nonfinite=True
+        )
     else:
         loss_scale = mixprec.NoOpLossScale()
     optimizer = mixprec.optax.loss_scaled(optax.adam(1e-3), loss_scale)

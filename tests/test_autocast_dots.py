@@ -12,7 +12,7 @@ import pytest
 from jax import lax
 
 from mixprec._src.autocast import dots
-from mixprec._src.cli import timing
+from mixprec._src.workloads import timing
 from tests.helpers import assert_tree_dtypes, assert_trees_close, iter_eqns
 
 

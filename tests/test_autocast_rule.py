@@ -183,6 +183,60 @@ def test_constants_saturate_when_cast_down(policy):
     assert float(out.min()) == low_min
 
 
+_BIG = np.full((16,), 2e5, np.float32)  # closed over, as NumPy
+
+
+def _computed_big():
+    return jnp.float32(300.0) * 400.0  # 1.2e5, computed while tracing
+
+
+_OUT_OF_RANGE = {
+    "div_literal": lambda x, w: (x @ w) / 1e5,
+    "mul_literal": lambda x, w: (x @ w) * 7e4,
+    "div_numpy_array": lambda x, w: (x @ w) / _BIG[None, :],
+    "add_after_tanh": lambda x, w: jnp.tanh(x @ w) + 1e6,
+    "div_jnp_float32": lambda x, w: (x @ w) / jnp.float32(1e5),
+    "div_computed": lambda x, w: (x @ w) / _computed_big(),
+    "dot_operand": lambda x, w: (x @ w) @ (jnp.eye(16) * 1e5),
+    "mul_tiny": lambda x, w: (x @ w) * 1e-9 * 1e9,
+}
+
+
+@pytest.mark.parametrize("form", sorted(_OUT_OF_RANGE))
+def test_a_constant_the_low_dtype_cannot_hold_keeps_its_op_in_float32(form):
+    """A constant beyond float16's largest value, or so small it would become 0,
+    keeps the op using it in float32 (outside a fill op such as ``where``,
+    whose constant saturates): the result matches float32, and an overflow
+    stays visible as inf, never a finite 65504."""
+    f = _OUT_OF_RANGE[form]
+    x = jax.random.normal(jax.random.key(9), (8, 16))
+    w = jax.random.normal(jax.random.key(10), (16, 16)) / 4
+    ref = f(x, w)
+    got = mixprec.autocast(f, "mixed_float16")(x, w)
+    assert got.dtype == F32
+    assert bool(jnp.all(jnp.isfinite(got))), form
+    assert_trees_close(got, ref, dtype=F16)
+    # explain and diagnose say the same and flag no problem.
+    report = mixprec.explain(f, x, w, policy="mixed_float16")
+    assert any("does not fit" in op.reason for op in report.ops), form
+    diag = mixprec.diagnose(f, x, w, policy="mixed_float16")
+    assert not diag.problems, [str(p) for p in diag.problems]
+    # An overflow of the op itself is inf, as in float32.
+    huge = lambda x, w: (x @ w) * 1e38  # noqa: E731
+    out = mixprec.autocast(huge, "mixed_float16")(x * 100.0, w)
+    assert bool(jnp.any(jnp.isinf(out))) and bool(jnp.isinf(huge(x * 100.0, w)).any())
+    assert not bool(jnp.any(jnp.abs(out) == float(jnp.finfo(F16).max)))
+
+
+def test_constants_that_fit_stay_in_the_low_dtype():
+    f = lambda x, w: (x @ w) / 1e3 + 60000.0  # noqa: E731
+    report = mixprec.explain(f, X, jnp.eye(16), policy="mixed_float16")
+    assert [op.out_dtypes for op in report.ops if op.primitive in ("div", "add")] == [
+        ("float16",),
+        ("float16",),
+    ]
+
+
 # ---------------------------------------------------------- float16 range
 
 
@@ -207,9 +261,156 @@ def test_squares_do_not_overflow_float16(square):
     assert mixprec.autocast(variance, "mixed_float16")(x, jnp.eye(8)) == 300.0**2
 
 
+_REPEATED = {
+    "dot": lambda x, w: (x @ w) * (x @ w),
+    "scaled_dot": lambda x, w: (x @ w * 2.0) * (x @ w * 2.0),
+    "einsum": lambda x, w: (
+        jnp.einsum("ij,jk->ik", x, w) * jnp.einsum("ij,jk->ik", x, w)
+    ),
+    "layer": lambda x, w: jnp.maximum(x @ w + 1.0, 0.0) * jnp.maximum(x @ w + 1.0, 0.0),
+}
+
+
+@pytest.mark.parametrize("form", sorted(_REPEATED))
+def test_a_value_computed_twice_is_squared_in_float32(form):
+    """``mul`` of two operands computed by structurally identical equations (the
+    same primitive, params and operands: JAX does not merge them) is a value
+    times itself: a square, in float32 under float16, like ``h * h``."""
+    f = _REPEATED[form]
+    x = jnp.full((4, 8), 150.0)
+    w = jnp.eye(8)
+    ref = f(x, w)
+    got = mixprec.autocast(f, "mixed_float16")(x, w)
+    assert got.dtype == F32
+    assert bool(jnp.all(jnp.isfinite(got))), form
+    assert_trees_close(got, ref, dtype=F16)
+    [mul] = [
+        op
+        for op in mixprec.explain(f, x, w, policy="mixed_float16").ops
+        if op.primitive == "mul" and op.decision == "float32"
+    ][-1:]
+    assert "by itself" in mul.reason
+    # Two different products are not a square: the mul stays in float16.
+    other = mixprec.explain(
+        lambda x, w: (x @ w) * (x @ (w * 2.0)), x, w, policy="mixed_float16"
+    )
+    assert other.find("mul")[-1].out_dtypes == ("float16",)
+
+
 def test_squares_under_bfloat16_stay_low():
     report = mixprec.explain(lambda x: jnp.square(x @ x.T), X, policy="mixed_bfloat16")
     assert report.find("square")[0].out_dtypes == ("bfloat16",)
+
+
+# ------------------------------------------------ statistics into loop bodies
+
+
+def _rows_with_zero_variance():
+    # Half the rows constant (variance exactly 0), half spread.
+    spread = jax.random.normal(jax.random.key(5), (4, 16)) * 3.0
+    return jnp.concatenate([jnp.full((4, 16), 7.0), spread])
+
+
+def _normalize(h, mean, var):
+    # eps below float16's range: (h - mean) must be exactly 0 for the
+    # constant rows, so that 0 * rsqrt(1e-12) = 0, not 0 * inf.
+    return (h @ jnp.eye(16) - mean) * lax.rsqrt(var + 1e-12)
+
+
+def _stats(h):
+    return h.mean(-1, keepdims=True), h.var(-1, keepdims=True)
+
+
+_normalize_jvp = jax.custom_jvp(_normalize)
+_normalize_jvp.defjvps(None, None, None)  # the value is what is checked
+
+
+_STAT_CARRIERS = {
+    "scan_xs": lambda h: lax.scan(
+        lambda c, xs: (c, _normalize(*xs)), 0.0, (h, *_stats(h))
+    )[1],
+    "map": lambda h: lax.map(lambda xs: _normalize(*xs), (h, *_stats(h))),
+    "cond": lambda h: lax.cond(True, _normalize, lambda *a: a[0], h, *_stats(h)),
+    "custom_jvp": lambda h: _normalize_jvp(h, *_stats(h)),
+    "inline": lambda h: _normalize(h, *_stats(h)),
+}
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("carrier", sorted(_STAT_CARRIERS))
+def test_a_statistic_keeps_its_role_inside_loop_bodies(carrier, policy):
+    """A mean or variance computed outside a body and passed in (scan ``xs``,
+    ``lax.map``, a ``cond`` operand, a ``custom_jvp`` argument) anchors the
+    body's norm in float32 as it does inline: zero-variance rows give 0 as in
+    float32, not NaN."""
+    fn = _STAT_CARRIERS[carrier]
+    h = _rows_with_zero_variance()
+    ref = fn(h)
+    got = mixprec.autocast(fn, policy)(h)
+    assert got.dtype == F32
+    assert bool(jnp.all(jnp.isfinite(got))), carrier
+    np.testing.assert_array_equal(got[:4], 0.0)
+    assert_trees_close(got, ref, dtype=LOW[policy])
+    # The subtraction and the rsqrt ran in float32 where they ran.
+    for op in mixprec.explain(fn, h, policy=policy).ops:
+        if op.primitive in ("sub", "rsqrt", "mul"):
+            assert op.out_dtypes == ("float32",), (op.primitive, op.path, op.reason)
+
+
+# ------------------------------------------------------------ windowed sums
+
+
+def _avg_pool(x, window):
+    win = (1, window, window, 1)
+    return lax.reduce_window(x, 0.0, lax.add, win, win, "VALID") / window**2
+
+
+def _flax_avg_pool(x, window):
+    nn = pytest.importorskip("flax.linen")
+    with jax.numpy_dtype_promotion("standard"):  # flax divides by an int
+        return nn.avg_pool(x, (window, window))
+
+
+def _windowed_sum(x, window):
+    # A reduce_window with a non-zero init: JAX keeps the generic primitive.
+    win = (1, window, window, 1)
+    return lax.reduce_window(x, 1.0, lax.add, win, win, "VALID") - 1.0
+
+
+_POOLS = {"lax": _avg_pool, "flax": _flax_avg_pool, "generic": _windowed_sum}
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("window", [2, 16, 32])
+@pytest.mark.parametrize("pool", sorted(_POOLS))
+def test_windowed_sums_accumulate_in_float32_whatever_the_window(pool, window, policy):
+    """A windowed sum (average pooling) accumulates in float32 like every
+    other reduction: a global pool matches float32 within the low dtype's
+    tolerance, and a window of values near 400 does not overflow float16."""
+    pool_fn = _POOLS[pool]
+
+    def f(x, w):
+        return pool_fn(jnp.einsum("nhwc,cd->nhwd", x, w), window)
+
+    w = jnp.eye(4)
+    for x in (
+        jax.random.uniform(jax.random.key(6), (2, 32, 32, 4)),
+        400.0 + jax.random.uniform(jax.random.key(7), (1, 32, 32, 4)),
+    ):
+        ref = f(x, w)
+        got = mixprec.autocast(f, policy)(x, w)
+        assert got.dtype == F32
+        assert bool(jnp.all(jnp.isfinite(got)))
+        assert_trees_close(got, ref, dtype=LOW[policy])
+    if pool == "generic":
+        return  # JAX has no reverse mode for a generic reduce_window
+    # The gradient (a pad and a windowed sum of the cotangent) too.
+    x = 400.0 + jax.random.uniform(jax.random.key(8), (1, 32, 32, 4))
+    grads = jax.grad(lambda x, w: jnp.sum(f(x, w) ** 2), argnums=(0, 1))
+    got = mixprec.autocast(grads, policy)(x, w)
+    assert_tree_dtypes(got, (F32, F32))
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in got)
+    assert_trees_close(got, grads(x, w), dtype=LOW[policy], grad=True)
 
 
 # ------------------------------------------------------ broadcast gradients
@@ -353,10 +554,42 @@ def _programs():
         gw, gb = jax.grad(loss, argnums=(0, 1))(w, b)
         return w - 0.1 * gw, b - 0.1 * gb
 
+    def avg_pool(w, b, x):
+        h = jnp.tanh(x @ w + b[None, :]).reshape(1, 4, 16, 1) * 400.0
+        return lax.reduce_window(h, 0.0, lax.add, (1, 4, 16, 1), (1, 1, 1, 1), "VALID")
+
+    def scan_xs_stats(w, b, x):
+        mean, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
+
+        def body(c, xs):
+            h, m, v = xs
+            return c, (h @ w - m) * lax.rsqrt(v + 1e-12)
+
+        return lax.scan(body, 0.0, (x, mean, var))[1]
+
+    def big_constants(w, b, x):
+        h = x @ w
+        return jnp.tanh(h) + 1e6, h / 1e5, h * 7e4
+
+    def repeated_dots(w, b, x):
+        return jnp.sum((x @ w * 100.0) * (x @ w * 100.0))
+
     args = (w, b, x)
     return {
         f.__name__: (f, args)
-        for f in (mlp, residual, scan_rnn, while_sum, branches, nested, train_step)
+        for f in (
+            mlp,
+            residual,
+            scan_rnn,
+            while_sum,
+            branches,
+            nested,
+            train_step,
+            avg_pool,
+            scan_xs_stats,
+            big_constants,
+            repeated_dots,
+        )
     }
 
 

@@ -1,17 +1,19 @@
 """Tests for the `mixprec` command line: flags, errors and exit statuses, help, and
 a tiny demo and bench end to end."""
 
+import ast
 import importlib.util
 import json
 import math
 import os
+import pathlib
 import subprocess
 import sys
 
 import pytest
 
 from mixprec._src.cli import bench, main as cli
-from mixprec._src.cli.demo import train
+from mixprec._src.workloads import train
 
 
 def test_help_lists_subcommands_and_exit_statuses(capsys):
@@ -98,6 +100,24 @@ def test_bad_flags_exit_2_with_a_clear_message(capsys, argv, message):
     err = capsys.readouterr().err
     assert message in err
     assert "usage: mixprec" in err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["demo", "--frobnicate"],
+        ["demo", "-n", "3", "--frobnicate", "x"],
+        ["bench", "--tiny"],
+        ["inspect", "m:f", "--frob"],
+        ["diagnose", "m:f", "extra_target"],
+    ],
+)
+def test_an_unknown_flag_prints_the_subcommands_usage(capsys, argv):
+    assert cli.main(argv) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: mixprec {argv[0]} ")  # not the top-level usage
+    assert f"mixprec {argv[0]}: error: unrecognized arguments: " in err
+    assert "COMMAND" not in err
 
 
 def test_no_command_prints_help_and_fails(capsys):
@@ -215,8 +235,9 @@ def test_importing_the_cli_does_no_work():
     code = (
         "import sys, mixprec._src.cli.main; "
         "print(sorted(m for m in ('rich', 'matplotlib', 'optax', 'mlxtend', 'flax', "
-        "'mixprec._src.cli.demo', 'mixprec._src.cli.models', "
-        "'mixprec._src.cli.numerics') if m in sys.modules))"
+        "'mixprec._src.cli.demo', 'mixprec._src.cli.numerics', "
+        "'mixprec._src.cli.bench', 'mixprec._src.workloads.models', "
+        "'mixprec._src.workloads.train') if m in sys.modules))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code],
@@ -226,6 +247,99 @@ def test_importing_the_cli_does_no_work():
         timeout=120,
     ).stdout
     assert out.strip() == "[]"
+
+
+_SRC = pathlib.Path(__file__).resolve().parent.parent / "mixprec" / "_src"
+
+
+def _modules(*packages: str) -> dict[str, pathlib.Path]:
+    """``dotted name -> file`` of every module under ``mixprec/_src/<package>``."""
+    out = {}
+    for package in packages:
+        for path in sorted((_SRC / package).rglob("*.py")):
+            parts = path.relative_to(_SRC.parent.parent).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            out[name] = path
+    return out
+
+
+def _import_graph(modules: dict[str, pathlib.Path]) -> dict[str, set[str]]:
+    """Which of ``modules`` each one imports, at the top or inside a function."""
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.rsplit(".", node.level - 1)[0]
+                    base = f"{anchor}.{base}" if base else anchor
+                targets = [f"{base}.{a.name}" for a in node.names] + [base]
+            for target in targets:
+                # `from pkg import mod` names a module; `from mod import name` not.
+                while target and target not in modules:
+                    target = target.rpartition(".")[0]
+                if target and target != name and not name.startswith(target + "."):
+                    graph[name].add(target)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    cycles, state = [], {}
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                path = [*stack, node]
+                cycles.append(path[path.index(nxt) :] + [nxt])
+            elif nxt not in state:
+                visit(nxt, [*stack, node])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [])
+    return cycles
+
+
+def test_cli_and_workloads_imports_have_no_cycle():
+    modules = _modules("cli", "workloads")
+    assert "mixprec._src.cli.errors" in modules
+    assert "mixprec._src.workloads.models" in modules
+    graph = _import_graph(modules)
+    # The parser imports the commands; the commands raise errors.py's CLIError.
+    assert "mixprec._src.cli.bench" in graph["mixprec._src.cli.main"]
+    assert _cycles(graph) == []
+    # The workloads serve benchmarks/ as well: they never import the CLI.
+    for name, deps in graph.items():
+        if name.startswith("mixprec._src.workloads"):
+            assert not [d for d in deps if d.startswith("mixprec._src.cli")], name
+
+
+def test_every_cli_module_imports_on_its_own():
+    # Each module imported first, in a process where no other mixprec module has
+    # been imported yet (JAX stays loaded, to keep this fast).
+    names = sorted(_modules("cli", "workloads"))
+    code = (
+        "import importlib, sys, jax, numpy\n"
+        f"for name in {names!r}:\n"
+        "    for m in [m for m in sys.modules if m.startswith('mixprec')]:\n"
+        "        del sys.modules[m]\n"
+        "    importlib.import_module(name)\n"
+        "print('ok')\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(_SRC.parent.parent)},
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
 
 
 def test_python_dash_m():
@@ -302,6 +416,18 @@ def test_tiny_demo_end_to_end(tmp_path, capsys):
         assert by[(w, "mixed_bfloat16")]["memory"]["residual_bytes"] < f32
     meta = payload["meta"]
     assert meta["size"] == "tiny" and meta["jax"] and "cpu flags" in meta
+    # float32 also ran seeds 1 and 2 (the default --seeds 3) for the seed range,
+    # against which the table judges each mixed precision.
+    assert meta["seeds (float32, for the spread)"] == "0, 1, 2"
+    for w in ("digits", "lm"):
+        seeds = by[(w, "float32")]["seed_eval_losses"]
+        assert sorted(seeds) == ["0", "1", "2"]
+        assert all(math.isfinite(v) for v in seeds.values())
+        assert len(set(seeds.values())) == 3  # other seeds, other results
+        assert by[(w, "mixed_bfloat16")]["seed_eval_losses"] == {
+            "0": by[(w, "mixed_bfloat16")]["eval_loss"]
+        }
+    assert "seed range" in stdout and "float32 eval loss over seeds 0, 1, 2" in stdout
 
     md = (out / "results.md").read_text()
     assert md.count("| precision |") == 2 and "mixed_float16" in md
@@ -336,7 +462,17 @@ def test_a_failed_demo_run_exits_1_after_writing_the_others(
 @pytest.mark.standard_promotion
 def test_tiny_bench_end_to_end(tmp_path, capsys):
     out = tmp_path / "bench"
-    argv = ["bench", "--size", "tiny", "-w", "mlp", "-m", "manual,autocast"]
+    argv = [
+        "bench",
+        "--size",
+        "tiny",
+        "-w",
+        "mlp",
+        "-m",
+        "manual,autocast",
+        "-p",
+        "bf16",
+    ]
     argv += ["--repeats", "2", "--steps", "1", "--warmup", "0", "--out", str(out)]
     status = cli.main([*argv, "--no-progress"])
     captured = capsys.readouterr()
@@ -373,7 +509,17 @@ def test_a_failed_bench_variant_exits_1_after_writing_the_others(
 
     monkeypatch.setattr(bench, "_build", fails_under_autocast)
     out = tmp_path / "bench"
-    argv = ["bench", "--size", "tiny", "-w", "mlp", "-m", "manual,autocast"]
+    argv = [
+        "bench",
+        "--size",
+        "tiny",
+        "-w",
+        "mlp",
+        "-m",
+        "manual,autocast",
+        "-p",
+        "bf16",
+    ]
     argv += ["--repeats", "1", "--steps", "1", "--warmup", "0", "--out", str(out)]
     status = cli.main([*argv, "--no-progress"])
     captured = capsys.readouterr()
@@ -383,3 +529,50 @@ def test_a_failed_bench_variant_exits_1_after_writing_the_others(
     variants = json.loads((out / "bench.json").read_text())["variants"]
     assert [v["error"] is None for v in variants] == [True, True, False]
     assert "| mlp | mixed_bfloat16 (manual) |" in captured.out
+
+
+@pytest.mark.parametrize("on_gpu", [False, True])
+def test_bench_defaults_follow_the_platform(monkeypatch, tmp_path, capsys, on_gpu):
+    # The defaults of `mixprec bench` depend on the platform: the size set (GPU
+    # sizes on a GPU), the precisions (float16 too on a GPU, where its matmuls
+    # are native) and the timed steps. A GPU is simulated on a CPU host; the
+    # run stops once the size set is chosen.
+    from mixprec._src.workloads import timing
+
+    monkeypatch.setattr(timing, "on_gpu", lambda: on_gpu)
+    seen = []
+
+    def stop(size_set):
+        seen.append(size_set)
+        raise cli.CLIError("stopped after choosing the size set")
+
+    monkeypatch.setattr(bench, "workload_configs", stop)
+    assert cli.main(["bench", "--out", str(tmp_path)]) == cli.EXIT_ERROR
+    assert "stopped after choosing the size set" in capsys.readouterr().err
+    platform = bench.current_platform()
+    assert seen == [bench.default_size_set(platform)] == ["gpu" if on_gpu else "cpu"]
+    assert bench.default_precisions(platform) == (
+        ["mixed_bfloat16", "mixed_float16"] if on_gpu else ["mixed_bfloat16"]
+    )
+    assert bench.default_steps(platform) == (20 if on_gpu else 5)
+
+
+@pytest.mark.standard_promotion
+def test_tiny_bench_on_a_simulated_gpu_runs_float16_too(monkeypatch, tmp_path, capsys):
+    from mixprec._src.workloads import timing
+
+    monkeypatch.setattr(timing, "on_gpu", lambda: True)
+    out = tmp_path / "bench"
+    argv = ["bench", "--size", "tiny", "-w", "mlp", "-m", "autocast", "--repeats", "1"]
+    argv += ["--warmup", "0", "--out", str(out), "--no-progress"]
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    payload = json.loads((out / "bench.json").read_text())
+    assert [v["label"] for v in payload["variants"]] == [
+        "float32",
+        "mixed_bfloat16 (autocast)",
+        "mixed_float16 (autocast)",
+    ]
+    meta = payload["meta"]
+    assert meta["platform"] == "gpu" and meta["timed steps per round"] == 20
+    assert meta["precisions"] == "mixed_bfloat16, mixed_float16"
+    assert all("device_peak_bytes" in v["memory"] for v in payload["variants"])

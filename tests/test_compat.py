@@ -112,3 +112,24 @@ def test_untested_jax_warns_once(monkeypatch):
 def test_installed_jax_is_in_the_tested_range():
     # The suite runs on tested releases only; a newer one warns at import.
     assert not _compat.warn_if_untested_jax()
+
+
+def test_cpu_miscompile_workaround_turns_off_the_ynn_fusion():
+    # The demo's hand-written bfloat16 MLP: from jaxlib 0.11 XLA:CPU fuses it
+    # into YNNPACK kernels that return NaN on AVX2 hosts; the options must be
+    # accepted by this jaxlib and leave no such fusion in the optimized HLO.
+    def mlp(w1, w2, x):
+        h = jax.nn.relu(x.astype(jnp.bfloat16) @ w1.astype(jnp.bfloat16))
+        return jax.nn.log_softmax(h @ w2.astype(jnp.bfloat16))
+
+    args = (jnp.ones((64, 32)) / 8, jnp.ones((32, 10)) / 8, jnp.ones((100, 64)))
+    options = _compat.cpu_miscompile_workaround_options("cpu")
+    assert _compat.cpu_miscompile_workaround_options("gpu") == {}
+    assert bool(options) == (_compat.JAX_VERSION >= (0, 11))
+    # The option is known to every supported jaxlib (0.10.2 makes the same
+    # fusions, computed right, so it is not passed there).
+    options = options or {"xla_cpu_experimental_ynn_fusion_type": ""}
+    compiled = jax.jit(mlp).lower(*args).compile(options)
+    assert "__ynn_fusion" not in compiled.as_text()
+    out = compiled(*args)
+    assert out.dtype == jnp.bfloat16 and bool(jnp.isfinite(out).all())

@@ -20,8 +20,8 @@ import mixprec
 from mixprec._src import _compat, _config
 from mixprec._src.autocast import capability, dots
 from mixprec._src.autocast.config import make_config
-from mixprec._src.cli import timing
-from mixprec._src.cli.demo import report, train
+from mixprec._src.cli.demo import report
+from mixprec._src.workloads import timing, train
 from tests.helpers import assert_tree_dtypes, assert_trees_close, iter_eqns
 
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import mixprec
-from mixprec._src.cli import models, timing
-from mixprec._src.cli.demo import data, plot, report, train
+from mixprec._src.cli.demo import plot, report
+from mixprec._src.workloads import data, models, timing, train
 
 
 # ----------------------------------------------------------------------------- data
@@ -218,7 +218,13 @@ def test_residual_and_memory_bytes():
     assert timing.tree_bytes({"a": w, "b": [jnp.zeros(3, jnp.int8)]}) == 259
 
 
-def test_cpu_info_and_environment(tmp_path):
+@pytest.mark.parametrize("simulate_gpu", [False, True])
+def test_cpu_info_and_environment(tmp_path, monkeypatch, simulate_gpu):
+    # Runs on every platform: the CPU facts come from /proc/cpuinfo whatever the
+    # accelerator, and the bfloat16 dot formulation is recorded on a CPU backend
+    # only. `simulate_gpu` checks the GPU side on a CPU host.
+    if simulate_gpu:
+        monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     fake = tmp_path / "cpuinfo"
     fake.write_text(
         "processor\t: 0\nmodel name\t: Test CPU 9000\n"
@@ -232,8 +238,14 @@ def test_cpu_info_and_environment(tmp_path):
     assert timing.cpu_info(str(tmp_path / "missing"))["flags"] == {}
     assert timing.flags_summary(info["flags"]) == "avx2, fma, avx512f, avx512_bf16"
     env = timing.environment()
-    assert env["jax"] == jax.__version__ and env["backend"] == "cpu"
+    backend = jax.default_backend()
+    assert env["jax"] == jax.__version__ and env["backend"] == backend
     assert env["cpu_count"] >= 1 and isinstance(env["cpu_flags"], dict)
+    if backend == "cpu":
+        assert isinstance(env["cpu_bf16"]["native"], bool)
+        assert env["cpu_bf16"]["formulation"] in ("native", "emulated")
+    else:
+        assert env["cpu_bf16"] is None
 
 
 # ----------------------------------------------------------------------------- training
@@ -371,9 +383,12 @@ def test_report_rows_and_markdown(tmp_path):
     runs = [_fake("float32", 0.02), _fake("mixed_bfloat16", 0.01)]
     failed = train.RunResult("digits", "mixed_float16", "autocast", 10, error="no f16")
     rows = report.rows([*runs, failed])
-    assert rows[0][4] == "1.00x" and rows[1][4] == "2.00x"
-    assert rows[1][3] == "10.00" and rows[1][2] == "93.0%" and rows[1][-1] == "2^14"
-    assert "skipped: no f16" in rows[2][-1]
+    col = {name: i for i, name in enumerate(report.COLUMNS)}
+    assert rows[0][col["speed-up"]] == "1.00x" and rows[1][col["speed-up"]] == "2.00x"
+    assert rows[1][col["ms/step"]] == "10.00" and rows[1][col["accuracy"]] == "93.0%"
+    assert rows[1][-1] == "2^14" and "skipped: no f16" in rows[2][-1]
+    # One seed: the difference from float32 is shown, with no verdict.
+    assert rows[0][col["vs float32"]] == "-" and rows[1][col["vs float32"]] == "+0.0000"
     md = report.markdown([*runs, failed], {"digits": "MLP"}, {"device": "cpu"})
     header = next(line for line in md.splitlines() if line.startswith("| precision"))
     assert "| eval loss |" in header and "device peak" not in header  # CPU: no peak
@@ -382,8 +397,46 @@ def test_report_rows_and_markdown(tmp_path):
     assert payload["runs"][1]["median_step_s"] == pytest.approx(0.01)
 
 
+def test_the_table_judges_differences_by_float32s_seed_range(tmp_path):
+    base = _fake("float32", 0.02)
+    base.eval_loss = 2.10
+    base.seed_eval_losses = {0: 2.10, 1: 2.16, 2: 2.12}
+    close, far = _fake("mixed_bfloat16", 0.01), _fake("mixed_float16", 0.01)
+    close.eval_loss, far.eval_loss = 2.05, 2.40
+    col = report.COLUMNS.index("vs float32")
+    table = report.rows([base, close, far])
+    assert table[0][col] == "seed range 0.0600"
+    assert table[1][col] == "-0.0500 within seed range"
+    assert table[2][col] == "+0.3000 = 5.0x seed range"
+    md = report.markdown([base, close, far], {"digits": "MLP"}, {"device": "cpu"})
+    assert "within seed range" in md
+    assert "float32 eval loss over seeds 0, 1, 2: 2.1000, 2.1600, 2.1200" in md
+
+
 def test_plot_writes_png(tmp_path):
     runs = [_fake("float32", 0.02), _fake("mixed_float16", 0.01, skipped_steps=1)]
     path = plot.save_figure(runs, tmp_path / "x.png", titles={"digits": "MLP"})
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert path.stat().st_size > 10_000
+
+
+# ----------------------------------------------------------------------------- docs
+
+
+def test_the_recipe_uses_one_loss_scale_setting_everywhere():
+    # The README's quickstart, docs/training.md's recipe and the example that
+    # runs it on real digits build the same float16 loss scale.
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    call = re.compile(r"mixprec\.DynamicLossScale\((.*?)\)\n", re.S)
+    found = {}
+    for page in ("README.md", "docs/training.md", "examples/train_mnist_mixed.py"):
+        text = (root / page).read_text()
+        found[page] = {" ".join(c.split()).rstrip(", ") for c in call.findall(text)}
+    assert found["README.md"] == {
+        "2.0**15, nonfinite_before_backoff=2, consecutive_nonfinite=True"
+    }
+    assert found["docs/training.md"] == found["examples/train_mnist_mixed.py"]
+    assert found["README.md"] == found["examples/train_mnist_mixed.py"]

@@ -243,7 +243,7 @@ def soak():
 def test_rare_spurious_faults_leave_the_default_scale_alone(soak):
     # The full 10,000-step version is benchmarks/bench_loss_scale_soak.py.
     # 1% of the steps get an inf/NaN gradient entry, no burst.
-    from mixprec._src.cli.demo.data import load_digits
+    from mixprec._src.workloads.data import load_digits
 
     data = load_digits()
     common = dict(steps=2000, burst=0, check_every=500, data=data)

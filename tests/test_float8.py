@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import mixprec
 from mixprec._src import float8 as f8
 from mixprec._src.autocast import float8_dots
-from mixprec._src.cli import models
+from mixprec._src.workloads import models
 
 
 E4M3, E5M2 = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)
@@ -571,3 +571,56 @@ def test_diagnose_counts_flushed_values_per_dot():
     assert rowwise.flushed < dot.flushed / 10
     assert "flushed to zero after scaling" in report.summary()
     assert report.ok  # flushing is float8's range, not a problem to advise on
+
+
+def test_explain_says_where_float8_runs_and_what_runs_instead():
+    # A float8 policy never changes an op's precision silently: a convolution
+    # runs in float8 on CPU only, and the report says what runs elsewhere.
+    def f(x, k, w):
+        y = lax.conv_general_dilated(x, k, (1, 1), "SAME")
+        return (y.reshape(-1, 128) @ w).sum()
+
+    x = jnp.ones((8, 128, 16, 16))
+    k, w = jnp.ones((128, 128, 3, 3)), jnp.ones((128, 128))
+    report = mixprec.explain(f, x, k, w, policy="mixed_float8")
+    products = ("conv_general_dilated", "dot_general")
+    decided = {o.primitive: o.decision for o in report.ops if o.primitive in products}
+    assert decided == {"conv_general_dilated": "float8", "dot_general": "float8"}
+    conv = next(n for n in report.notes if n.startswith("Float8 convolutions"))
+    assert "emulated on CPU" in conv and "run in bfloat16 instead" in conv
+    dots = next(n for n in report.notes if n.startswith("Float8 dots"))
+    assert "straight into the GEMM" in dots and "XLA:CPU has no float8 GEMM" in dots
+    assert "Float8 convolutions" in str(report)
+    # Where a platform is known, one sentence for it.
+    note = float8_dots.conv_float8_note(jnp.bfloat16, platform="gpu")
+    assert (
+        note.startswith("Float8 convolutions: not on cuda") and "emulated" not in note
+    )
+    assert "widened" in float8_dots.dot_float8_note(jnp.bfloat16, platform="cpu")
+    # No float8 decision, no float8 note.
+    plain = mixprec.explain(f, x, k, w, policy="mixed_bfloat16")
+    assert not any(n.startswith("Float8") for n in plain.notes)
+
+
+def test_one_inf_makes_a_tensorwise_product_nan_and_diagnose_says_why():
+    """Under tensorwise scaling one inf in an operand makes every output of the
+    product NaN (its amax is inf); ``diagnose`` notes it. Rowwise scaling
+    confines it to the inf's row."""
+    x = jax.random.normal(jax.random.key(0), (128, 128)).at[3, 5].set(jnp.inf)
+    w = jax.random.normal(jax.random.key(1), (128, 128)) / 8
+
+    def f(x, w):
+        return x @ w
+
+    ref = f(x, w)
+    assert int(jnp.isnan(ref).sum()) == 0  # float32: only row 3 is inf
+    tensorwise = mixprec.autocast(f, "mixed_float8")(x, w)
+    assert bool(jnp.isnan(tensorwise).all())
+    rowwise = mixprec.autocast(f, "p=f32,c=bf16,o=f32,f8=rowwise")(x, w)
+    assert not bool(jnp.isnan(jnp.delete(rowwise, 3, axis=0)).any())
+    diag = mixprec.diagnose(f, x, w, policy="mixed_float8")
+    [note] = [n for n in diag.notes if "amax is inf" in n]
+    assert "every output is NaN" in note and "float8.md" in note
+    assert "amax is inf" in str(diag)
+    diag = mixprec.diagnose(f, x, w, policy="p=f32,c=bf16,o=f32,f8=rowwise")
+    assert not any("amax is inf" in n for n in diag.notes)

@@ -51,7 +51,7 @@ JAX_VERSION: tuple[int, ...] = _version_tuple(jax.__version__)
 #: The oldest JAX release mixprec supports (``pyproject.toml`` asks for it).
 OLDEST_SUPPORTED_JAX: tuple[int, ...] = (0, 10, 2)
 #: The newest JAX release line the whole test suite has been run on.
-NEWEST_TESTED_JAX: tuple[int, ...] = (0, 11)
+NEWEST_TESTED_JAX: tuple[int, ...] = (0, 12)
 
 
 class UntestedJaxWarning(UserWarning):
@@ -367,3 +367,32 @@ def cudnn_attention_module() -> Any:
     """JAX's cuDNN attention module (tests pretend cuDNN is present with it, to
     export the fused formulation for ``cuda`` from a CPU host)."""
     return importlib.import_module("jax._src.cudnn.fused_attention_stablehlo")
+
+
+# -- XLA:CPU workarounds ------------------------------------------------------------
+
+
+def cpu_miscompile_workaround_options(backend: str) -> dict[str, Any]:
+    """Compile options that keep XLA:CPU clear of a known miscompilation.
+
+    From jaxlib 0.11, XLA:CPU fuses chains of bfloat16 matmuls and elementwise
+    ops into YNNPACK kernels (``"__ynn_fusion"`` in the optimized HLO). On an
+    AVX2 host (no AVX-512), jaxlib 0.11.2 and 0.12.0.1 return NaN for part of
+    the output of such a fusion, differently from run to run: a hand-written
+    bfloat16 MLP (784-128-10, ``log_softmax``) on 1000 rows gave 4276 and 9280
+    non-finite values in two runs, none with the fusion off. jaxlib 0.10.2
+    makes the same fusions and computes them right (0 non-finite values), so
+    the option is only passed from 0.11 on; other backends do not know it.
+
+    Pass the result as ``compiler_options`` to ``.compile()`` (or to
+    ``jax.jit``) for code that runs bfloat16 matmuls written by hand. Autocast's
+    emulated CPU formulation (the default on CPUs without AVX512-BF16) computes
+    its products in float32 and is not affected.
+
+    Examples:
+      >>> cpu_miscompile_workaround_options("gpu")
+      {}
+    """
+    if backend != "cpu" or JAX_VERSION < (0, 11):
+        return {}
+    return {"xla_cpu_experimental_ynn_fusion_type": ""}

@@ -249,7 +249,7 @@ def _build(
     ]
 
     def interp(*vals: Any) -> list[Any]:
-        outs, _ = interpreter.eval_jaxpr(walk, jaxpr, [], vals, marks)
+        outs, _ = interpreter.eval_jaxpr(walk, jaxpr, [], vals, marks, consts)
         return [
             o if d is None else _cast_output(o, d)
             for o, d in zip(outs, out_dtypes, strict=True)

@@ -46,10 +46,14 @@ float32 accumulation; the result in the low dtype as above. A product the
 recipe's skip rules exclude (a dimension not a multiple of 16, or smaller than
 ``min_dim``) stays in the low dtype, and its decision says why.
 
-The rule modules add what is not a choice of precision: constants cast down
-saturate to the low dtype's finite range (``finfo(float32).min`` as a mask fill
-must not become ``-inf``), and an operand broadcast into the result is cast after
-it is broadcast, so that its gradient is summed in float32.
+A constant whose value is known when the jaxpr is walked and that the low dtype
+cannot hold (beyond its largest value, or non-zero and so small it becomes 0)
+keeps its op in float32 (:func:`misfit`), so the result is float32's and an
+overflow stays inf; except in a fill op (``where``, ``max``, ``min``,
+``clamp``), where the rule modules saturate it to the low dtype's finite range
+(``finfo(float32).min`` as a mask fill must not become ``-inf``). The rule
+modules also cast an operand broadcast into the result after it is broadcast,
+so that its gradient is summed in float32.
 
 Besides :func:`decide` (one equation, from the facts), this module holds every
 other dtype choice autocast makes, so that each is made in one place:
@@ -66,10 +70,11 @@ other dtype choice autocast makes, so that each is made in one place:
 Per value the interpreter keeps five marks, computed by :func:`out_marks`:
 ``FOLLOWS`` (broadcast into its consumers: a bias, a scale, a scalar),
 ``STAT`` (a statistic: computed from a reduction, like a mean or a variance; it
-is never a follower, even broadcast), ``CONST`` (computed from constants only)
-and ``GRAD`` (a gradient: computed in a backward pass from the loss's
-cotangent). The first two decide which operands anchor a gray op; ``CONST``
-makes casts of constants saturate; ``GRAD`` sends a float8 matmul's gradient
+is never a follower, even broadcast), ``CONST`` (computed from constants only;
+one the low dtype cannot hold keeps its op in float32) and ``GRAD`` (a
+gradient: computed in a backward pass from the loss's cotangent). The first two
+decide which operands anchor a gray op; ``CONST`` makes a fill op's constants
+saturate; ``GRAD`` sends a float8 matmul's gradient
 operand to ``float8_e5m2``; ``INPUT`` (an input of the transformed function,
 never a result of an equation) lets a matmul keep a float32 operand for its
 backward pass without a copy.
@@ -80,7 +85,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools as ft
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final, Protocol
 
 import jax.numpy as jnp
@@ -91,7 +96,12 @@ from jax.extend.core import JaxprEqn, Literal
 from mixprec._src import _compat, float8 as f8
 from mixprec._src.autocast import ops
 from mixprec._src.autocast.avals import aval_shape, float_dtype, same_shape, size
-from mixprec._src.autocast.ops import FLOAT32_ONLY, NARROW_RANGE, OpClass
+from mixprec._src.autocast.ops import (
+    CROSS_DEVICE_SUM,
+    FLOAT32_ONLY,
+    NARROW_RANGE,
+    OpClass,
+)
 
 
 __all__ = [
@@ -236,6 +246,7 @@ def decide(
     float8_align: tuple[tuple[str, int], ...] = (),
     float8_rowwise: bool = True,
     gradients: tuple[bool, ...] = (),
+    reduce: np.dtype | None = None,
 ) -> Decision:
     """Decides the precision of one equation (see the module docstring).
 
@@ -264,6 +275,7 @@ def decide(
         float8_rowwise: whether a rowwise recipe scales this op rowwise (a
             matmul) or tensorwise (a convolution).
         gradients: per operand, whether it is a gradient (goes to e5m2).
+        reduce: the policy's reduce dtype: a cross-device sum runs in it.
 
     Returns:
         The :class:`Decision`.
@@ -377,6 +389,16 @@ def decide(
             )
         return allow(f"allow list: lowered to {low}")
     if op_class == "deny":
+        if CROSS_DEVICE_SUM in flags and reduce is not None and reduce != _F32:
+            back = _widest(anchors)
+            return Decision(
+                Precision.LOW,
+                reduce,
+                op_class,
+                f"cross-device sum: in the policy's reduce dtype {reduce}, "
+                f"the result back in {back}",
+                out_dtype=back if back != reduce else None,
+            )
         if NARROW_RANGE not in flags or not has_float32_range(low):
             return float32("deny list: float32")
         if all(d == low for d in anchors):
@@ -526,10 +548,135 @@ class Region(Protocol):
     backward: bool
     partners: dict[Any, np.dtype]
 
+    def producer(self, var: Any) -> JaxprEqn | None:
+        """The equation that computed ``var`` in the jaxpr being walked."""
+        ...
 
-def _is_square(eqn: JaxprEqn) -> bool:
+    def constant_range(self, var: Any) -> tuple[float, float] | None:
+        """``(largest finite, smallest non-zero)`` magnitude of a constant
+        whose value is known, or ``None``."""
+        ...
+
+
+def misfit(magnitudes: tuple[float, float], low: np.dtype) -> str | None:
+    """Why a constant with these ``(largest finite, smallest non-zero)``
+    magnitudes does not fit ``low``, or ``None`` if it does: beyond its
+    largest finite value (it would become inf), or non-zero and below half
+    its smallest subnormal (it would become 0).
+
+    Examples:
+        >>> f16 = np.dtype(np.float16)
+        >>> misfit((1e5, 1e5), f16)
+        'beyond float16's largest value (1e+05 > 65504)'
+        >>> misfit((1e-8, 1e-8), f16), misfit((1.0, 1e-3), f16)
+        ("below float16's smallest (1e-08 becomes 0)", None)
+    """
+    largest, smallest = magnitudes
+    info = jnp.finfo(low)
+    if largest > float(info.max):
+        return f"beyond {low}'s largest value ({largest:.3g} > {float(info.max):g})"
+    if smallest < float(info.smallest_subnormal) / 2:
+        return f"below {low}'s smallest ({smallest:.3g} becomes 0)"
+    return None
+
+
+def _misfit_constant(
+    region: Region,
+    eqn: JaxprEqn,
+    flags: frozenset[str],
+    marks: Sequence[int],
+    target: np.dtype,
+) -> str | None:
+    """Why a constant operand of ``eqn`` cannot be cast to ``target`` (``None``
+    if each can, or ``eqn`` is a fill op, whose constants saturate)."""
+    if ops.FILL in flags:
+        return None
+    for v, m in zip(eqn.invars, marks, strict=True):
+        dtype = float_dtype(v.aval)
+        if not m & CONST or dtype is None or dtype.itemsize <= target.itemsize:
+            continue
+        magnitudes = region.constant_range(v)
+        why = None if magnitudes is None else misfit(magnitudes, target)
+        if why is not None:
+            return why
+    return None
+
+
+#: How many equations deep :func:`same_value` compares two operands.
+SAME_VALUE_DEPTH: Final = 6
+
+
+def _params_equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for k, v in a.items():
+        w = b[k]
+        if v is w:
+            continue
+        try:
+            if not bool(v == w):
+                return False
+        except Exception:  # noqa: BLE001  (arrays, jaxprs: not comparable)
+            return False
+    return True
+
+
+def same_value(
+    a: Any,
+    b: Any,
+    producer: Callable[[Any], JaxprEqn | None],
+    depth: int = SAME_VALUE_DEPTH,
+) -> bool:
+    """Whether two operands are the same value: the same variable, equal
+    literals, or the same output of two structurally identical equations (the
+    same primitive without effects, equal params, and operands
+    that are the same value, up to ``depth`` equations back). JAX does not
+    merge repeated subexpressions in a jaxpr, so ``(x @ w) * (x @ w)`` is two
+    dots; it is still a value times itself. Calls compare equal only when
+    their bodies are the same object: ``jax.nn.relu(h) * jax.nn.relu(h)``
+    traces two ``custom_jvp`` bodies and is not recognised.
+
+    ``producer(var)`` returns the equation that computed ``var`` in the jaxpr
+    being walked (``None`` for an input).
+
+    Examples:
+        >>> import jax
+        >>> jaxpr = jax.make_jaxpr(lambda x, w: (x @ w) * (x @ w))(
+        ...     np.ones((2, 2), np.float32), np.ones((2, 2), np.float32)).jaxpr
+        >>> made = {v: e for e in jaxpr.eqns for v in e.outvars}
+        >>> mul = jaxpr.eqns[-1]
+        >>> same_value(*mul.invars, made.get)
+        True
+    """
+    if a is b:
+        return True
+    if isinstance(a, Literal) or isinstance(b, Literal):
+        if not (isinstance(a, Literal) and isinstance(b, Literal)):
+            return False
+        va, vb = np.asarray(a.val), np.asarray(b.val)
+        return va.dtype == vb.dtype and bool(np.array_equal(va, vb))
+    if depth <= 0:
+        return False
+    ea, eb = producer(a), producer(b)
+    if ea is None or eb is None or ea.primitive is not eb.primitive:
+        return False
+    if ea.effects or eb.effects or len(ea.invars) != len(eb.invars):
+        return False
+    if ea.outvars.index(a) != eb.outvars.index(b):
+        return False
+    if not _params_equal(ea.params, eb.params):
+        return False
+    return all(
+        same_value(x, y, producer, depth - 1)
+        for x, y in zip(ea.invars, eb.invars, strict=True)
+    )
+
+
+def _is_square(eqn: JaxprEqn, producer: Callable[[Any], JaxprEqn | None]) -> bool:
     a, b = eqn.invars
-    return a is b and not isinstance(a, Literal)
+    if isinstance(a, Literal) or isinstance(b, Literal):
+        return False
+    return same_value(a, b, producer)
 
 
 def _asks_high_precision(eqn: JaxprEqn) -> bool:
@@ -614,7 +761,7 @@ def decide_eqn(
         )
     if spec is not None and ops.OPAQUE in spec.flags:
         return Decision(Precision.ORIGINAL, None, "clear", spec.reason)
-    if name == "mul" and _is_square(eqn):
+    if name == "mul" and _is_square(eqn, region.producer):
         name = "square"
         spec = ops.spec_for("square")
     lookup = region.composite or name
@@ -641,14 +788,34 @@ def decide_eqn(
         high_precision=_asks_high_precision(eqn),
         traced_out=float_dtype(out_aval) if op_class == "allow" else None,
         low_cotangent=op_class == "allow" and _low_cotangent(region, eqn),
+        reduce=cfg.policy.reduce_dtype,
         **_float8_args(cfg, eqn, spec, op_class, marks, out_shape),
     )
+    if (
+        d.precision in (Precision.LOW, Precision.RECEIVED)
+        and d.dtype is not None
+        and d.dtype.itemsize < 4
+    ):
+        op_flags = spec.flags if spec is not None else frozenset()
+        why = _misfit_constant(region, eqn, op_flags, marks, d.dtype)
+        if why is not None:
+            d = Decision(
+                Precision.FLOAT32,
+                _F32,
+                d.op_class,
+                f"a constant operand does not fit: {why}; runs in float32",
+            )
     if region.composite:
         return dataclasses.replace(
             d, reason=f"inside {region.composite} (a JAX composite): {d.reason}"
         )
     if name == "square" and eqn.primitive.name == "mul":
-        return dataclasses.replace(d, reason=f"mul of a value by itself: {d.reason}")
+        what = (
+            "a value by itself"
+            if eqn.invars[0] is eqn.invars[1]
+            else "a value by itself (computed twice by the same equations)"
+        )
+        return dataclasses.replace(d, reason=f"mul of {what}: {d.reason}")
     return d
 
 

@@ -66,7 +66,14 @@ from mixprec._src.autocast import dots
 from mixprec._src.autocast.platforms import canonical_platform, per_platform
 
 
-__all__ = ["conv_general_dilated", "conv_product", "dot_general", "dot_general_product"]
+__all__ = [
+    "conv_float8_note",
+    "conv_general_dilated",
+    "conv_product",
+    "dot_float8_note",
+    "dot_general",
+    "dot_general_product",
+]
 
 _F32 = np.dtype(np.float32)
 _BF16 = np.dtype(jnp.bfloat16)
@@ -564,3 +571,59 @@ def conv_product(
         platform=platform,
         **params,
     )
+
+
+# ----------------------------------------------------------------------- reports
+
+
+def dot_float8_note(low_dtype: DTypeLike, *, platform: str | None = None) -> str:
+    """One sentence for reports on how a float8 matmul runs on ``platform``
+    (``None``: on each platform, chosen at lowering).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> print(dot_float8_note(jnp.bfloat16, platform="cuda"))
+      Float8 dots: on cuda the float8 operands go straight into the GEMM ...
+    """
+    del low_dtype  # float8 dots accumulate in float32 on every platform
+    accel = (
+        "the float8 operands go straight into the GEMM (dot_general of float8 "
+        "arrays, float32 accumulation; cuBLASLt's float8 GEMM on Hopper, Ada and "
+        "newer GPUs), the scales applied to its product."
+    )
+    cpu = (
+        "XLA:CPU has no float8 GEMM: the float8 values are widened to bfloat16 "
+        "(exactly) and multiplied with float32 accumulation, the numbers of a "
+        "float8 GEMM at bfloat16's speed."
+    )
+    plat = canonical_platform(platform)
+    if plat is None:
+        return f"Float8 dots, per platform: on CPU, {cpu} Elsewhere, {accel}"
+    return "Float8 dots: " + (cpu if plat == "cpu" else f"on {plat} {accel}")
+
+
+def conv_float8_note(low_dtype: DTypeLike, *, platform: str | None = None) -> str:
+    """One sentence for reports on how a convolution decided float8 runs on
+    ``platform`` (``None``: on each platform, chosen at lowering).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> print(conv_float8_note(jnp.bfloat16, platform="cuda"))
+      Float8 convolutions: not on cuda: ... they run in bfloat16 instead ...
+    """
+    name = np.dtype(low_dtype).name
+    elsewhere = (
+        "XLA's GPU compiler has no float8 convolution that mixprec relies on, so "
+        f"they run in {name} instead (operands rounded to {name}, no float8 "
+        "scaling)."
+    )
+    cpu = (
+        "emulated on CPU (tensorwise-scaled float8 values widened to bfloat16, "
+        "float32 accumulation)."
+    )
+    plat = canonical_platform(platform)
+    if plat is None:
+        return f"Float8 convolutions, per platform: {cpu} Elsewhere {elsewhere}"
+    if plat == "cpu":
+        return "Float8 convolutions: " + cpu
+    return f"Float8 convolutions: not on {plat}: {elsewhere}"

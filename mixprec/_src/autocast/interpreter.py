@@ -33,6 +33,7 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -117,6 +118,7 @@ class Walk:
 
     __slots__ = (
         "backward",
+        "casts",
         "composite",
         "config",
         "current",
@@ -125,6 +127,9 @@ class Walk:
         "parent_source",
         "partners",
         "path",
+        "producers",
+        "values",
+        "ranges",
         "scalars",
         "trip",
         "wide",
@@ -164,6 +169,35 @@ class Walk:
         # operand ran in: a backward product whose residual is that operand
         # computes the other one's gradient (see `decide.decide_eqn`).
         self.partners: dict[Any, np.dtype] = {}
+        # The equation that computed each variable of the jaxpr being walked
+        # (for `decide.same_value`: a value computed twice is still one value).
+        self.producers: dict[Any, JaxprEqn] = {}
+        # Per constant whose value is known when the jaxpr is walked (a
+        # closed-over array, or computed from literals and those), its
+        # (largest finite, smallest non-zero) magnitude; and the values of the
+        # small ones, to compute the constants made from them.
+        self.ranges: dict[Any, tuple[float, float]] = {}
+        self.values: dict[Any, Any] = {}
+        # Inputs of the function rounded for a product, by (id, dtype): one
+        # rounding per parameter, shared by its forward and backward products,
+        # so a sharded parameter is gathered once per step. The input is kept
+        # beside its rounding, so that its id stays its own.
+        self.casts: dict[tuple[int, Any], tuple[Any, Any]] = {}
+
+    def constant_range(self, var: Any) -> tuple[float, float] | None:
+        """``(largest finite, smallest non-zero)`` magnitude of a constant
+        whose value is known (a literal, a closed-over array, a constant
+        computed from those), or ``None``."""
+        if type(var) is Literal:
+            return value_range(var.val)
+        known = self.scalars.get(var)
+        if known is not None:
+            return value_range(known)
+        return self.ranges.get(var)
+
+    def producer(self, var: Any) -> JaxprEqn | None:
+        """The equation that computed ``var`` in the jaxpr being walked."""
+        return self.producers.get(var)
 
     def _copy(self, **changes: Any) -> Walk:
         kw = {
@@ -346,9 +380,12 @@ def cast_operands(ctx: CastContext, invals: Sequence[Any]) -> list[Any]:
     """Casts the floating operands of ``ctx.eqn`` as ``ctx.decision`` says.
 
     ``ORIGINAL`` casts them back to the dtypes they were traced with; a
-    decision dtype casts them to it. Casting down, a constant saturates, and an
-    operand of an elementwise op that is broadcast into the result is broadcast
-    first, so that the transpose (its gradient) sums in the wider dtype.
+    decision dtype casts them to it. Casting down, a constant of a fill op
+    (:data:`~mixprec._src.autocast.ops.FILL`: ``where``, ``max``...)
+    saturates, any other constant is cast as it is (beyond the low range: inf,
+    visible), and an operand of an elementwise op that is broadcast into the
+    result is broadcast first, so that the transpose (its gradient) sums in the
+    wider dtype.
     """
     d = ctx.decision
     eqn = ctx.eqn
@@ -364,6 +401,7 @@ def cast_operands(ctx: CastContext, invals: Sequence[Any]) -> list[Any]:
     out_shape = aval_shape(eqn.outvars[0]) if eqn.outvars else ()
     spec = ops.spec_for(eqn.primitive.name)
     elementwise = spec is not None and ops.BROADCASTS in spec.flags
+    fill = spec is not None and ops.FILL in spec.flags
     out = []
     for x, v, m in zip(invals, eqn.invars, ctx.marks, strict=True):
         dt = float_dtype(x)
@@ -371,9 +409,12 @@ def cast_operands(ctx: CastContext, invals: Sequence[Any]) -> list[Any]:
             out.append(x)
             continue
         narrowing = target.itemsize < dt.itemsize
-        if narrowing and m & CONST:
-            # A constant has no gradient: saturate it, cast it where it is.
+        if narrowing and m & CONST and fill:
+            # A fill or a bound (`finfo(float32).min` in a `where`): saturate
+            # it; a constant has no gradient, cast it where it is.
             x = _saturate_constant(ctx.walk, v, x, target)
+        elif narrowing and m & CONST:
+            pass  # cast where it is: beyond the low range it becomes inf
         elif narrowing and elementwise and not same_shape(aval_shape(v), out_shape):
             # Broadcast first: the transpose then sums the gradient in `dt`.
             x = _broadcast_to(x, out_shape)
@@ -565,6 +606,7 @@ def eval_jaxpr(
     consts: Sequence[Any],
     args: Sequence[Any],
     marks: Sequence[int] | None = None,
+    known: Sequence[Any] = (),
 ) -> tuple[list[Any], list[int]]:
     """Evaluates ``jaxpr`` on ``args`` with autocast's decisions and rules.
 
@@ -575,6 +617,9 @@ def eval_jaxpr(
         consts: values of the constvars.
         args: values of the invars.
         marks: per invar, the marks of its value (default: none).
+        known: the values of the first invars when they are constants known
+            before the walk (the closed-over constants the front door passes
+            as arguments): their ranges decide whether they fit the low dtype.
 
     Returns:
         The output values and their marks.
@@ -584,17 +629,20 @@ def eval_jaxpr(
             raise ValueError("`eval_jaxpr`: pass no `consts` with a ClosedJaxpr.")
         consts = jaxpr.consts
         jaxpr = jaxpr.jaxpr
-    walk = walk._copy()  # its own `wide` and `scalars`: never the caller's
+    walk = walk._copy()  # its own `wide`, `scalars`, `producers`: never the caller's
     env: dict[Any, Any] = {}
     mk: dict[Any, int] = {}
     for v, x in zip(jaxpr.constvars, consts, strict=True):
         env[v] = x
         mk[v] = CONST | INPUT
+        _note_constant(walk, v, x)
     if marks is None:
         marks = [0] * len(args)
     for v, x, m in zip(jaxpr.invars, args, marks, strict=True):
         env[v] = x
         mk[v] = m
+    for v, x in zip(jaxpr.invars, known, strict=False):
+        _note_constant(walk, v, x)
     # A recognised attention runs as one unit when its last equation is
     # reached (its inputs are all computed by then); its other equations wait.
     open_jaxpr: Jaxpr = jaxpr  # type: ignore[assignment]
@@ -620,13 +668,22 @@ def _step(walk: Walk, eqn: JaxprEqn, env: dict[Any, Any], mk: dict[Any, int]) ->
     inmarks = [literal_mark() if type(v) is Literal else mk[v] for v in eqn.invars]
     w = walk.for_eqn(eqn)
     if w is not walk:
-        w.wide, w.scalars, w.partners = walk.wide, walk.scalars, walk.partners
+        _share_tables(walk, w)
     with _eqn_context(eqn):
         outs, outmarks = run_eqn(w, eqn, invals, inmarks)
     for v, x, m in zip(eqn.outvars, outs, outmarks, strict=True):
         env[v] = x
         mk[v] = m
+        walk.producers[v] = eqn
     _note_scalar(walk, eqn, inmarks)
+    _fold_constant(walk, eqn, inmarks)
+
+
+def _share_tables(walk: Walk, w: Walk) -> None:
+    """Gives the walk of one equation the tables of the jaxpr's walk."""
+    w.wide, w.scalars, w.partners = walk.wide, walk.scalars, walk.partners
+    w.producers, w.casts = walk.producers, walk.casts
+    w.ranges, w.values = walk.ranges, walk.values
 
 
 def _attentions(
@@ -652,7 +709,7 @@ def _run_attention(
     values = [env[v] for v in match.inputs]
     w = walk.for_eqn(jaxpr.eqns[match.first])
     if w is not walk:
-        w.wide, w.scalars, w.partners = walk.wide, walk.scalars, walk.partners
+        _share_tables(walk, w)
     dtypes = [float_dtype(values[i[0]]) or _F32 for i in (match.q, match.k, match.v)]
     decision = decide_attention(w, match.pattern, dtypes)
     if decision is None:
@@ -728,6 +785,77 @@ def _note_partners(
         if seen is not None and seen != partner:
             partner = _F32
         walk.partners[var] = partner
+
+
+#: The largest constant (in elements) whose value is computed while walking,
+#: to know its range (see :func:`_fold_constant`).
+FOLD_LIMIT = 1 << 16
+
+
+def value_range(x: Any) -> tuple[float, float]:
+    """``(largest finite, smallest non-zero finite)`` magnitude of ``x``
+    (``(0.0, inf)`` when it has none).
+
+    Examples:
+        >>> value_range(np.array([0.0, -3.0, 1e-3, np.inf]))
+        (3.0, 0.001)
+    """
+    a = np.abs(np.asarray(x, dtype=np.float64))
+    a = a[np.isfinite(a)]
+    if a.size == 0:
+        return 0.0, float("inf")
+    nonzero = a[a > 0]
+    return float(a.max()), float(nonzero.min()) if nonzero.size else float("inf")
+
+
+def _note_constant(walk: Walk, var: Any, x: Any) -> None:
+    """Records the range (and, if small, the value) of a closed-over constant."""
+    if _compat.is_tracer(x) or not hasattr(x, "dtype"):
+        return
+    if jnp.issubdtype(x.dtype, jax.dtypes.extended):
+        return  # a PRNG key
+    if float_dtype(x) is not None:
+        walk.ranges[var] = value_range(x)
+    if np.size(x) <= FOLD_LIMIT:
+        walk.values[var] = np.asarray(x)
+
+
+def _known_value(walk: Walk, var: Any) -> Any:
+    if type(var) is Literal:
+        return np.asarray(var.val)
+    if var in walk.values:
+        return walk.values[var]
+    known = walk.scalars.get(var)
+    if known is not None:
+        return np.broadcast_to(np.asarray(known), aval_shape(var))
+    return None
+
+
+def _fold_constant(walk: Walk, eqn: JaxprEqn, inmarks: Sequence[int]) -> None:
+    """Computes, as written, a small constant made from known constants (a
+    ``1e5 * 3`` the program computes), to know its range: the same in
+    ``autocast``, ``explain`` and ``diagnose``, whatever is traced."""
+    if not all(m & CONST for m in inmarks) or eqn.effects:
+        return
+    if _has_jaxpr_params(eqn.params) or len(eqn.outvars) != 1:
+        return
+    out = eqn.outvars[0]
+    if not hasattr(out.aval, "dtype") or int(np.prod(aval_shape(out))) > FOLD_LIMIT:
+        return
+    if out in walk.scalars:
+        return  # a view of a known scalar: its range is known
+    args = [_known_value(walk, v) for v in eqn.invars]
+    if any(a is None for a in args):
+        return
+    try:
+        with jax.ensure_compile_time_eval():
+            [value] = bind_as_written(eqn, args)
+        value = np.asarray(value)
+    except Exception:  # noqa: BLE001  (not computable here: range unknown)
+        return
+    walk.values[out] = value
+    if float_dtype(value) is not None:
+        walk.ranges[out] = value_range(value)
 
 
 def _note_scalar(walk: Walk, eqn: JaxprEqn, inmarks: Sequence[int]) -> None:

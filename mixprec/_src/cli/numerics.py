@@ -20,53 +20,168 @@ taken as keyword arguments; anything else is the single argument). Inputs are
 arrays (``jax.numpy``/``numpy``) or pytrees of them; use ``functools.partial`` in
 the module for static arguments.
 
+A ``path/to/file.py`` target is imported as ``python path/to/file.py`` would
+import it: the file's directory comes first on ``sys.path`` (while it is loaded
+and while the function runs), so modules beside it import; a ``module`` target
+imports from the current directory.
+
 The reports are those of the public :func:`mixprec.explain` and
-:func:`mixprec.diagnose`. The arguments are parsed in ``main.py``, which also owns
-the exit statuses: a target that cannot be loaded, or a policy, mode or mixlist
-that ``mixprec`` rejects, is an error (status 1); ``diagnose --fail-on-problems``
-returns status 3 when it finds a problem.
+:func:`mixprec.diagnose`. The arguments are parsed in ``main.py``; the exit
+statuses are those of ``errors.py``. Errors (status 1): a target that cannot be
+loaded or is not callable; example arguments with no array, or a function that
+runs no JAX op (there would be nothing to report); a policy (see
+``precisions.py``), mode or mixlist that ``mixprec`` rejects; an exception raised
+by the user's own code (its module, function or example hook), reported with the
+user's file and line (``--verbose`` adds the traceback). An exception with no
+frame of the user's code keeps its traceback: it is mixprec's.
+``diagnose --fail-on-problems`` returns status 3 when it finds a problem.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools as ft
 import importlib
 import importlib.util
+import keyword
 import os
 import sys
-from collections.abc import Callable
-from typing import Any
+import sysconfig
+import traceback
+import types
+from collections.abc import Callable, Iterator
+from typing import Any, NoReturn
 
-from .main import EXIT_OK, EXIT_PROBLEMS, CLIError
+from .errors import EXIT_OK, EXIT_PROBLEMS, PROG, CLIError, UserCodeError
 
 
 class TargetError(CLIError):
     """A ``module:function`` target or its example arguments cannot be loaded."""
 
 
-def _load_module(spec: str) -> Any:
-    if spec.endswith(".py") or os.sep in spec or "/" in spec:
+# ----------------------------------------------------------------------------- loading
+
+
+def _is_file_spec(spec: str) -> bool:
+    return spec.endswith(".py") or os.sep in spec or "/" in spec
+
+
+@contextlib.contextmanager
+def _on_sys_path(directory: str) -> Iterator[None]:
+    """``directory`` first on ``sys.path`` inside the block, as ``python FILE``
+    puts the file's directory; removed afterwards unless it was there before."""
+    if directory in sys.path:
+        yield
+        return
+    sys.path.insert(0, directory)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):
+            sys.path.remove(directory)
+
+
+@contextlib.contextmanager
+def target_imports(*specs: str | None) -> Iterator[None]:
+    """The import path a target's module sees while it is loaded and run.
+
+    A ``path/to/file.py:function`` target imports modules beside the file (its
+    directory comes first on ``sys.path``, as with ``python path/to/file.py``);
+    a ``module:function`` target imports from the current directory (as with
+    ``python -m``). Both stay on the path while the function runs, for imports
+    inside it; the path is restored afterwards.
+
+    Args:
+      *specs: targets and ``--args`` values (``None`` is skipped).
+
+    Examples:
+      >>> import sys
+      >>> with target_imports("/tmp/project/model.py:loss"):
+      ...     sys.path[0]
+      '/tmp/project'
+      >>> "/tmp/project" in sys.path
+      False
+    """
+    directories: list[str] = []
+    for spec in specs:
+        if not spec:
+            continue
+        module = spec.rpartition(":")[0] or spec
+        if _is_file_spec(module):
+            directory = os.path.dirname(os.path.abspath(module))
+        else:
+            directory = os.getcwd()
+        if directory not in directories:
+            directories.append(directory)
+    with contextlib.ExitStack() as stack:
+        for directory in reversed(directories):
+            stack.enter_context(_on_sys_path(directory))
+        yield
+
+
+def _module_name_for(path: str) -> str:
+    """``model`` for ``dir/model.py``, the name ``python -c "import model"`` from
+    ``dir`` gives it, unless that name is taken by another module."""
+    stem = os.path.splitext(os.path.basename(path))[0]
+    if stem.isidentifier() and not keyword.iskeyword(stem):
+        existing = sys.modules.get(stem)
+        same_file = existing is not None and _same_file(
+            getattr(existing, "__file__", None), path
+        )
+        if existing is None or same_file:
+            return stem
+    return f"_mixprec_target_{abs(hash(path)):x}_{stem}"
+
+
+def _same_file(a: str | None, b: str) -> bool:
+    return a is not None and os.path.realpath(a) == os.path.realpath(b)
+
+
+def _load_module(spec: str) -> types.ModuleType:
+    if _is_file_spec(spec):
         path = os.path.abspath(spec)
         if not os.path.exists(path):
             raise TargetError(f"target file {spec!r} does not exist.")
-        name = "_mixprec_target_" + os.path.splitext(os.path.basename(path))[0]
+        name = _module_name_for(path)
         module_spec = importlib.util.spec_from_file_location(name, path)
         if module_spec is None or module_spec.loader is None:
             raise TargetError(f"cannot import {spec!r} as a module.")
         module = importlib.util.module_from_spec(module_spec)
+        module.__dict__["__mixprec_target__"] = spec  # how messages name it
+        previous = sys.modules.get(name)
         sys.modules[name] = module
-        module_spec.loader.exec_module(module)
+        with target_imports(spec):
+            try:
+                module_spec.loader.exec_module(module)
+            except BaseException as e:
+                if previous is None:
+                    sys.modules.pop(name, None)
+                else:
+                    sys.modules[name] = previous
+                if not isinstance(e, Exception):
+                    raise
+                _raise_user_error(e, f"importing {spec!r}", _roots_of(path))
         return module
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        return importlib.import_module(spec)
-    except ModuleNotFoundError as e:
-        raise TargetError(
-            f"cannot import module {spec!r}: {e}. Run from the directory that "
-            "contains it, set PYTHONPATH, or pass a path to a .py file."
-        ) from None
+    with target_imports(spec):
+        try:
+            return importlib.import_module(spec)
+        except ModuleNotFoundError as e:
+            if e.name is not None and (spec == e.name or spec.startswith(e.name + ".")):
+                raise TargetError(
+                    f"cannot import module {spec!r}: {e}. Run from the directory "
+                    "that contains it, set PYTHONPATH, or pass a path to a .py file."
+                ) from None
+            _raise_user_error(e, f"importing {spec!r}", _roots_of(spec))
+        except Exception as e:
+            _raise_user_error(e, f"importing {spec!r}", _roots_of(spec))
+
+
+def _display_name(module: Any) -> str:
+    """The module as the user named it: the path of a file target."""
+    return module.__dict__.get("__mixprec_target__") or getattr(
+        module, "__name__", repr(module)
+    )
 
 
 def _split_target(target: str) -> tuple[str, str]:
@@ -89,8 +204,7 @@ def _get_attr(module: Any, name: str, what: str) -> Any:
             close = difflib.get_close_matches(part, names, n=3)
             hint = f" Did you mean: {', '.join(close)}?" if close else ""
             raise TargetError(
-                f"{what} {name!r} not found in module "
-                f"{getattr(module, '__name__', module)!r}.{hint}"
+                f"{what} {name!r} not found in {_display_name(module)!r}.{hint}"
             )
         obj = getattr(obj, part)
     return obj
@@ -114,17 +228,29 @@ def load_target(
       ``(fn, args)``.
 
     Raises:
-      TargetError: the module, function or example arguments cannot be found.
+      TargetError: the module, function or example arguments cannot be found,
+        the target is not callable, or importing the module or calling the
+        example hook raised (the message names the user's file and line).
 
     Examples:
       >>> load_target("json:dumps")
       Traceback (most recent call last):
       ...
       mixprec._src.cli.numerics.TargetError: needs example inputs for 'json:dumps': ...
+      >>> load_target("json:decoder.NaN")
+      Traceback (most recent call last):
+      ...
+      mixprec._src.cli.numerics.TargetError: 'json:decoder.NaN' names a `float` ...
     """
     module_name, fn_name = _split_target(target)
     module = _load_module(module_name)
     fn = _get_attr(module, fn_name, "function")
+    if not callable(fn):
+        raise TargetError(
+            f"{target!r} names a `{type(fn).__name__}` ({_short_repr(fn)}), not a "
+            "function: expected `module:function` naming a callable (a function, "
+            "a jitted function, a model's apply, an NNX module)."
+        )
     if args_spec is not None:
         if ":" in args_spec:
             mod2, hook_name = _split_target(args_spec)
@@ -142,12 +268,174 @@ def load_target(
                 f"`{candidates[0]}()` or `example_args()` in the module returning a "
                 "tuple of arguments, or pass `--args NAME`."
             )
-    example = hook() if callable(hook) else hook
+    if callable(hook):
+        try:
+            example = hook()
+        except Exception as e:
+            name = getattr(hook, "__name__", "the example-args callable")
+            _raise_user_error(e, f"{name}()", _roots_of(module_name, args_spec))
+    else:
+        example = hook
     if isinstance(example, dict):
         return ft.partial(fn, **example), ()
     if isinstance(example, (tuple, list)):
         return fn, tuple(example)
     return fn, (example,)
+
+
+def _short_repr(obj: Any, limit: int = 40) -> str:
+    text = repr(obj)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def _real(path: str) -> str:
+    return os.path.realpath(path)
+
+
+_MIXPREC_DIR = _real(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+_LIBRARY_DIRS = tuple(
+    {
+        _real(p)
+        for key in ("stdlib", "platstdlib", "purelib", "platlib")
+        if (p := sysconfig.get_paths().get(key))
+    }
+)
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def _roots_of(*specs: str | None) -> tuple[str, ...]:
+    """The directories whose code is the user's: a file target's directory, a
+    module target's top-level package (or the module's directory)."""
+    roots: list[str] = []
+    for spec in specs:
+        if not spec:
+            continue
+        module = spec.rpartition(":")[0] if ":" in spec else spec
+        if _is_file_spec(module):
+            roots.append(_real(os.path.dirname(os.path.abspath(module))))
+            continue
+        top = module.split(".")[0]
+        found = importlib.util.find_spec(top) if top else None
+        if found is not None and found.submodule_search_locations:
+            roots.extend(_real(p) for p in found.submodule_search_locations)
+        elif found is not None and found.origin:
+            roots.append(_real(os.path.dirname(found.origin)))
+        else:
+            roots.append(_real(os.getcwd()))
+    return tuple(roots)
+
+
+def _is_user_file(filename: str, roots: tuple[str, ...]) -> bool:
+    if filename.startswith("<"):
+        return False
+    path = _real(filename)
+    if _under(path, _MIXPREC_DIR):
+        return False
+    for root in roots:
+        # A frame in an installed package or the standard library is not the
+        # user's, unless the user's code is itself installed there.
+        libs = [lib for lib in _LIBRARY_DIRS if not _under(root, lib)]
+        if _under(path, root) and not any(_under(path, lib) for lib in libs):
+            return True
+    return False
+
+
+def _user_frame(
+    error: BaseException, roots: tuple[str, ...]
+) -> traceback.FrameSummary | None:
+    """The deepest frame of ``error``'s traceback in the user's code, if any.
+
+    ``roots`` are the directories of the user's code (see :func:`_roots_of`);
+    frames in mixprec, the standard library and installed packages are not the
+    user's unless a root lies inside them. A ``SyntaxError`` points at its line.
+    """
+    if isinstance(error, SyntaxError) and error.filename and error.lineno:
+        if _is_user_file(error.filename, roots):
+            return traceback.FrameSummary(
+                error.filename, error.lineno, "<module>", line=error.text or ""
+            )
+    frames = traceback.extract_tb(error.__traceback__)
+    for frame in reversed(frames):
+        if _is_user_file(frame.filename, roots):
+            return frame
+    return None
+
+
+def _where(frame: traceback.FrameSummary) -> str:
+    path = frame.filename
+    with contextlib.suppress(ValueError):
+        rel = os.path.relpath(path)
+        if not rel.startswith(".."):
+            path = rel
+    line = (frame.line or "").strip()
+    return f"{path}:{frame.lineno} in {frame.name}" + (f": {line}" if line else "")
+
+
+def _user_error(
+    error: Exception, what: str, roots: tuple[str, ...]
+) -> UserCodeError | None:
+    """A :class:`UserCodeError` naming the user's frame, or ``None`` when no
+    frame of ``error``'s traceback is the user's (mixprec's own error)."""
+    frame = _user_frame(error, roots)
+    if frame is None:
+        return None
+    message = str(error).strip().splitlines()
+    first = message[0] if message else ""
+    return UserCodeError(
+        f"{what} raised {type(error).__name__}"
+        + (f": {first}" if first else "")
+        + f"\n  at {_where(frame)}"
+    )
+
+
+def _raise_user_error(error: Exception, what: str, roots: tuple[str, ...]) -> NoReturn:
+    """Raises :func:`_user_error` of ``error`` if it is the user's, else ``error``."""
+    user = _user_error(error, what, roots)
+    if user is None:
+        raise error
+    raise user from error
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _check_example_args(target: str, fn: Any, args: tuple[Any, ...]) -> None:
+    """Refuses example arguments with no array in them: autocast traces array
+    arguments and treats Python numbers as constants, so nothing would be seen."""
+    import jax
+
+    keywords = fn.keywords if isinstance(fn, ft.partial) else {}
+    leaves = jax.tree.leaves((args, keywords))
+    scalars = (bool, int, float, complex, str, bytes)
+    if all(isinstance(leaf, scalars) for leaf in leaves):
+        got = ", ".join(type(leaf).__name__ for leaf in leaves) or "no arguments"
+        raise TargetError(
+            f"the example arguments of {target!r} hold no array (got {got}): "
+            "autocast traces array arguments (jax or NumPy arrays, or pytrees of "
+            "them) and takes Python numbers as constants, so there would be no op "
+            "to report. Return arrays from the example hook, e.g. "
+            "`jnp.ones((8, 8))` or `jnp.asarray(3.0)`."
+        )
+
+
+def _check_ops(target: str, report: Any) -> None:
+    if not report.ops:
+        raise TargetError(
+            f"{target!r} ran no JAX operation on its array arguments, so there is "
+            "nothing to report: expected JAX code (jax.numpy, jax.lax, a Flax/"
+            "Equinox/Haiku model) that computes from its arguments. A function that "
+            "ignores them, returns them unchanged or computes in NumPy or plain "
+            "Python shows no op."
+        )
+
+
+# ----------------------------------------------------------------------------- commands
 
 
 def _use_rich(args: argparse.Namespace) -> bool | None:
@@ -158,13 +446,39 @@ def _print(text: str) -> None:
     sys.stdout.write(text.rstrip("\n") + "\n")
 
 
-def _report(call: Callable[[], Any]) -> Any:
-    """Runs ``mixprec.explain``/``diagnose``; a value or type it rejects (a bad
-    policy, mode or mixlist, a target that fails on its inputs) is a user error."""
+def _policy(args: argparse.Namespace) -> Any:
+    from .precisions import resolve_policy
+
+    policy, note = resolve_policy(args.policy, command=args.command)
+    if note:
+        print(f"{PROG} {args.command}: note: {note}", file=sys.stderr)
+    return policy
+
+
+def _report(
+    call: Callable[[], Any], args: argparse.Namespace, roots: tuple[str, ...]
+) -> Any:
+    """Runs ``mixprec.explain``/``diagnose``. An exception raised in the user's
+    code is reported with its file and line; a value or type mixprec rejects (a
+    bad mode or mixlist, a primitive it cannot handle) is a user error too."""
     try:
         return call()
-    except (ValueError, TypeError, NotImplementedError) as e:
-        raise CLIError(f"{type(e).__name__}: {e}") from e
+    except Exception as e:
+        error = _user_error(e, f"{args.target!r}", roots)
+        if error is not None:
+            raise error from e
+        if isinstance(e, (ValueError, TypeError, NotImplementedError)):
+            raise CLIError(f"{type(e).__name__}: {e}") from e
+        raise
+
+
+def _prepare(
+    args: argparse.Namespace,
+) -> tuple[Callable[..., Any], tuple[Any, ...], Any, tuple[str, ...]]:
+    policy = _policy(args)
+    fn, fn_args = load_target(args.target, args.example_args)
+    _check_example_args(args.target, fn, fn_args)
+    return fn, fn_args, policy, _roots_of(args.target, args.example_args)
 
 
 def run_inspect(args: argparse.Namespace) -> int:
@@ -175,12 +489,16 @@ def run_inspect(args: argparse.Namespace) -> int:
     """
     import mixprec
 
-    fn, fn_args = load_target(args.target, args.example_args)
-    report = _report(
-        lambda: mixprec.explain(
-            fn, *fn_args, policy=args.policy, mode=args.mode, mixlist=args.mixlist
+    with target_imports(args.target, args.example_args):
+        fn, fn_args, policy, roots = _prepare(args)
+        report = _report(
+            lambda: mixprec.explain(
+                fn, *fn_args, policy=policy, mode=args.mode, mixlist=args.mixlist
+            ),
+            args,
+            roots,
         )
-    )
+    _check_ops(args.target, report)
     if args.json:
         _print(report.to_json())
     else:
@@ -201,19 +519,23 @@ def run_diagnose(args: argparse.Namespace) -> int:
     """
     import mixprec
 
-    fn, fn_args = load_target(args.target, args.example_args)
     argnums = args.argnums[0] if len(args.argnums) == 1 else tuple(args.argnums)
-    report = _report(
-        lambda: mixprec.diagnose(
-            fn,
-            *fn_args,
-            policy=args.policy,
-            mode=args.mode,
-            mixlist=args.mixlist,
-            loss_scale=args.loss_scale,
-            argnums=argnums,
+    with target_imports(args.target, args.example_args):
+        fn, fn_args, policy, roots = _prepare(args)
+        report = _report(
+            lambda: mixprec.diagnose(
+                fn,
+                *fn_args,
+                policy=policy,
+                mode=args.mode,
+                mixlist=args.mixlist,
+                loss_scale=args.loss_scale,
+                argnums=argnums,
+            ),
+            args,
+            roots,
         )
-    )
+    _check_ops(args.target, report)
     if args.json:
         _print(report.to_json())
     else:

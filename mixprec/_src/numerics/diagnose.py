@@ -802,6 +802,31 @@ class _Comparer:
             self.sites[key] = site
         return site
 
+    def _note_float8_inf(
+        self,
+        walk: Walk,
+        eqn: Any,
+        site: _Site,
+        inmix: Sequence[Any],
+        outmix: Sequence[Any],
+    ) -> None:
+        """Says why a float8 product is all NaN when an operand holds an inf:
+        the operand's amax is inf, so its scale is 0 and every quantized value
+        inf * 0 (tensorwise: the whole tensor; rowwise: its rows/columns)."""
+        if not any(_is_float(x) and bool(np.isinf(_f64(x)).any()) for x in inmix):
+            return
+        if not all(_is_float(o) and bool(np.isnan(_f64(o)).all()) for o in outmix):
+            return
+        where = site.source or "<unknown>"
+        self.on_note(
+            walk,
+            eqn,
+            f"{site.primitive} at {where} ran in float8 with an inf in an operand: "
+            "its amax is inf, so every output is NaN (deliberate: a tensorwise "
+            "scale is taken over the whole tensor; see docs/float8.md). Find the "
+            "inf upstream.",
+        )
+
     def on_eqn(
         self,
         walk: Walk,
@@ -865,6 +890,7 @@ class _Comparer:
 
         if site.decision == "float8":
             self._count_float8(site, eqn, decision, inmix)
+            self._note_float8_inf(walk, eqn, site, inmix, outmix)
         if site.decision == "low" and site.dtype is not None:
             for a, b in zip(in32, inmix, strict=True):
                 if not (_is_float(a) and _is_float(b)):
@@ -975,7 +1001,9 @@ def _evaluate(
     comparer = _Comparer(max_loop_steps=max_loop_steps)
     walk = api.region_walk(config, comparer)
     comparer.seed(source.jaxpr.invars, values)
-    outs, _ = itp.eval_jaxpr(walk, source.jaxpr, (), values, source.in_marks())
+    outs, _ = itp.eval_jaxpr(
+        walk, source.jaxpr, (), values, source.in_marks(), source.consts
+    )
     return comparer, comparer.read(source.jaxpr.outvars), outs
 
 
@@ -1143,7 +1171,8 @@ def diagnose(
     config = make_config(policy, mode=mode, mixlist=mixlist).resolved()
     low = np.dtype(config.low_dtype)
     args = _widen_16bit(args)
-    ev, out32, outmix = _evaluate(fn_to_run, args, config, max_loop_steps)
+    with np.errstate(invalid="ignore", over="ignore"):  # inf and NaN are data here
+        ev, out32, outmix = _evaluate(fn_to_run, args, config, max_loop_steps)
 
     sites = list(ev.sites.values())
     ops = tuple(s.freeze() for s in sites)

@@ -27,7 +27,13 @@ from jax.extend.core import ClosedJaxpr, jaxpr_as_fun, mapped_aval, primitives a
 from mixprec._src import _compat
 from mixprec._src.autocast import interpreter as itp, ops
 from mixprec._src.autocast.avals import float_dtype
-from mixprec._src.autocast.decide import CONST, GRAD, branch_dtypes, carry_dtypes
+from mixprec._src.autocast.decide import (
+    CONST,
+    GRAD,
+    STAT,
+    branch_dtypes,
+    carry_dtypes,
+)
 from mixprec._src.autocast.interpreter import CastContext, Walk
 from mixprec._src.autocast.rules.default import aval_of, cast_all, hoist_consts
 
@@ -72,12 +78,21 @@ def split(vals: Sequence[Any], *sizes: int) -> list[list[Any]]:
 def scan_body_marks(marks: Sequence[int], num_consts: int, num_carry: int) -> list[int]:
     """The marks a scan body starts with: constants keep theirs; a carry or a
     slice that enters as a gradient stays one (float8's e5m2); a slice of a
-    constant is a constant."""
+    constant is a constant, and a slice of a statistic a statistic (a mean or a
+    variance passed as ``xs`` anchors the body's norm in float32, as it does
+    outside the loop). A carry keeps no role but a gradient's: the body may
+    make it anything.
+
+    Examples:
+        >>> from mixprec._src.autocast.decide import STAT
+        >>> scan_body_marks([0, 0, STAT], num_consts=0, num_carry=1) == [0, 0, STAT]
+        True
+    """
     nc, ncar = num_consts, num_carry
     return [
         *marks[:nc],
         *(m & GRAD for m in marks[nc : nc + ncar]),
-        *(m & (CONST | GRAD) for m in marks[nc + ncar :]),
+        *(m & (CONST | GRAD | STAT) for m in marks[nc + ncar :]),
     ]
 
 

@@ -1,7 +1,6 @@
-"""``mixprec demo``: real data, a training loop, reports and a plot.
+"""``mixprec demo``: the runner, the report (tables, markdown, JSON) and the plot.
 
-Private; reached through ``mixprec demo`` (``mixprec/_src/cli/main.py``); the
-training loop also serves ``mixprec bench`` and ``benchmarks/bench_accuracy.py``.
-The models live in ``mixprec/_src/cli/models.py``. Nothing here runs at import
-time.
+Private; reached through ``mixprec demo`` (``mixprec/_src/cli/main.py``). The
+models, data and training loop are in ``mixprec/_src/workloads/``. Nothing here
+runs at import time.
 """

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ...workloads.train import RunResult
 from .report import group_by_workload
-from .train import RunResult
 
 
 _STYLES = {

@@ -13,7 +13,7 @@ import pathlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from .train import RunResult
+from ...workloads.train import RunResult
 
 
 MiB = 1024.0 * 1024.0
@@ -21,6 +21,7 @@ MiB = 1024.0 * 1024.0
 COLUMNS = (
     "precision",
     "eval loss",
+    "vs float32",
     "accuracy",
     "ms/step",
     "speed-up",
@@ -54,13 +55,91 @@ def _scale(value: float | None, kind: str = "") -> str:
     return f"2^{exp:.0f}" if exp.is_integer() else f"{value:.4g}"
 
 
+def seed_range(base: RunResult | None) -> float | None:
+    """The seed-to-seed range (max - min) of a run's eval losses, when it was
+    trained with two seeds or more.
+
+    Examples:
+      >>> r = RunResult("lm", "float32", "float32", 9)
+      >>> r.seed_eval_losses = {0: 2.10, 1: 2.14, 2: 2.11}
+      >>> round(seed_range(r), 4), seed_range(RunResult("lm", "float32", "f", 9))
+      (0.04, None)
+    """
+    if base is None:
+        return None
+    losses = [v for v in base.seed_eval_losses.values() if math.isfinite(v)]
+    return max(losses) - min(losses) if len(losses) >= 2 else None
+
+
+def versus(r: RunResult, base: RunResult | None) -> str:
+    """The "vs float32" cell: the eval-loss difference, judged by the seed range.
+
+    A difference smaller than float32's seed-to-seed range is *within seed
+    range*: this run cannot tell the precisions apart.
+
+    Examples:
+      >>> base = RunResult("lm", "float32", "float32", 9, eval_loss=2.10)
+      >>> base.seed_eval_losses = {0: 2.10, 1: 2.14, 2: 2.11}
+      >>> versus(base, base)
+      'seed range 0.0400'
+      >>> versus(RunResult("lm", "mixed_bfloat16", "autocast", 9, eval_loss=2.12), base)
+      '+0.0200 within seed range'
+      >>> versus(RunResult("lm", "mixed_float16", "autocast", 9, eval_loss=2.30), base)
+      '+0.2000 = 5.0x seed range'
+    """
+    spread = seed_range(base)
+    if base is None or not math.isfinite(base.eval_loss):
+        return "n/a"
+    if r is base:
+        if spread is None:
+            return "-"
+        return f"seed range {spread:.4f}"
+    diff = r.eval_loss - base.eval_loss
+    if not math.isfinite(diff):
+        return "n/a"
+    if spread is None:
+        return f"{diff:+.4f}"
+    if abs(diff) < spread:
+        return f"{diff:+.4f} within seed range"
+    times = abs(diff) / spread if spread > 0 else math.inf
+    return f"{diff:+.4f} = {times:.1f}x seed range"
+
+
+def seed_notes(results: Sequence[RunResult]) -> list[str]:
+    """One line per workload whose float32 run was trained with several seeds:
+    the eval losses per seed and what "within seed range" means.
+
+    Examples:
+      >>> base = RunResult("lm", "float32", "float32", 9, eval_loss=2.10)
+      >>> base.seed_eval_losses = {0: 2.10, 1: 2.14}
+      >>> print(seed_notes([base])[0])
+      lm: float32 eval loss over seeds 0, 1: 2.1000, 2.1400 (range 0.0400). ...
+    """
+    notes = []
+    for name, group in group_by_workload(results).items():
+        base = next((r for r in group if r.precision == "float32"), None)
+        spread = seed_range(base)
+        if base is None or spread is None:
+            continue
+        seeds = sorted(base.seed_eval_losses)
+        notes.append(
+            f"{name}: float32 eval loss over seeds "
+            f"{', '.join(map(str, seeds))}: "
+            f"{', '.join(f'{base.seed_eval_losses[s]:.4f}' for s in seeds)} "
+            f"(range {spread:.4f}). A mixed precision whose eval loss differs from "
+            "float32's (same seed, same batches) by less than this range is "
+            "within seed range: the precisions cannot be told apart by this run."
+        )
+    return notes
+
+
 def rows(results: Sequence[RunResult]) -> list[list[str]]:
     """Table rows for the runs of one workload; speed-ups are against its float32 run.
 
     Examples:
       >>> r = RunResult("digits", "float32", "float32", 10, step_times_s=[0.01] * 10)
-      >>> rows([r])[0][:5]
-      ['float32', 'n/a', 'n/a', '10.00', '1.00x']
+      >>> rows([r])[0][:6]
+      ['float32', 'n/a', 'n/a', 'n/a', '10.00', '1.00x']
     """
     base = next((r for r in results if r.precision == "float32" and not r.error), None)
     out = []
@@ -80,6 +159,7 @@ def rows(results: Sequence[RunResult]) -> list[list[str]]:
             [
                 name,
                 _num(r.eval_loss, ".4f"),
+                versus(r, base),
                 _percent(r.eval_accuracy),
                 _num(r.median_step_s * 1e3, ".2f"),
                 speed,
@@ -129,6 +209,9 @@ def markdown(
         lines.append("| " + " | ".join(cols) + " |")
         lines.append("|" + "---|" * len(cols))
         lines += ["| " + " | ".join(row) + " |" for row in table]
+    spreads = seed_notes(results)
+    if spreads:
+        lines += [""] + [f"- {n}" for n in spreads]
     notes = list(meta.get("why slower", []))
     if notes:
         lines += ["", "Slower than float32, and why:", ""]
@@ -273,6 +356,9 @@ def _why_slower(r: RunResult, platform: str, cpu_bf16: Any, load: float | None) 
 
 
 NOTES = (
+    "vs float32: eval loss minus float32's (same seed and batches), and how it "
+    "compares with float32's seed-to-seed range (--seeds): 'within seed range' "
+    "means this run cannot tell the two apart. "
     "ms/step: median over 3 interleaved timing rounds (up to 10 steps of every "
     "precision per round, after training; compilation not counted). speed-up: "
     "float32's ms/step / this run's. "
@@ -312,7 +398,11 @@ def print_tables(
         table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
         cols, body = _columns(rows(group))
         for i, col in enumerate(cols):
-            table.add_column(col, justify="left" if i == 0 else "right", no_wrap=i == 0)
+            table.add_column(
+                col,
+                justify="left" if i == 0 else "right",
+                no_wrap=i == 0 or col == "vs float32",
+            )
         for row in body:
             table.add_row(*row)
         console.print(table)

@@ -8,13 +8,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..main import CLIError
+from ..errors import CLIError
 
 
 def _meta(
     size: str, mechanism: str, seed: int, loss_scale_period: int
 ) -> dict[str, Any]:
-    from .. import timing
+    from ...workloads import timing
 
     env = timing.environment()
     return {
@@ -63,6 +63,7 @@ def run_demo(
     out: str | os.PathLike[str] = "mixprec-out/demo",
     loss_scale_period: int = 100,
     seed: int = 0,
+    seeds: int = 3,
     plot: bool = True,
     progress: bool = True,
     console: Any = None,
@@ -79,6 +80,9 @@ def run_demo(
       out: output folder (created).
       loss_scale_period: growth period of the dynamic loss scale.
       seed: seeds parameters and data order (the same for every precision).
+      seeds: float32 is trained with this many seeds (``seed``, ``seed + 1``,
+        ...) to measure the seed-to-seed spread of its eval loss, against which
+        the tables judge each mixed precision's difference; 1 skips it.
       plot: write ``demo.png``.
       progress: show progress bars (on stderr).
       console: a ``rich.console.Console`` for the tables (stdout by default).
@@ -89,12 +93,13 @@ def run_demo(
     """
     from rich.console import Console
 
-    from . import report, train as train_lib
+    from ...workloads import train as train_lib
+    from . import report
 
     if console is None:
         console = Console()
         if not console.is_terminal:  # piped or captured: don't squeeze the tables
-            console = Console(width=max(console.width, 120))
+            console = Console(width=max(console.width, 150))
     err_console = Console(stderr=True)
     t_start = time.perf_counter()
     out_dir = pathlib.Path(out)
@@ -117,6 +122,11 @@ def run_demo(
     order = [p for p in train_lib.PRECISIONS if p in precisions]
     size_name = train_lib.resolve_size(size)
     meta = _meta(size_name, mech, seed, loss_scale_period)
+    if seeds > 1 and "float32" in order:
+        meta["seeds (float32, for the spread)"] = ", ".join(
+            str(seed + i) for i in range(seeds)
+        )
+    compiled: dict = {}  # compiled steps, reused by float32's other seeds
 
     results: list[train_lib.RunResult] = []
     titles: dict[str, str] = {}
@@ -147,14 +157,33 @@ def run_demo(
                         loss_scale_period=loss_scale_period,
                         on_step=on_step,
                         keep=True,
+                        compiled_steps=compiled,
                     )
                 except NotImplementedError as e:
                     result = train_lib.RunResult(name, precision, mech, n_steps)
                     result.error = str(e)
                 results.append(result)
+            base = next(
+                (r for r in results if r.workload == name and r.precision == "float32"),
+                None,
+            )
+            for other in range(seed + 1, seed + seeds):
+                if base is None or base.error:
+                    break
+                on_step = reporter.task(f"{name} float32 seed {other}", n_steps)
+                spare = train_lib.train(
+                    workload,
+                    "float32",
+                    steps=n_steps,
+                    seed=other,
+                    on_step=on_step,
+                    compiled_steps=compiled,
+                )
+                base.seed_eval_losses[other] = spare.eval_loss
         # Fair speed-ups: re-time this workload's runs in interleaved rounds.
         err_console.print(f"  timing {name}: 3 interleaved rounds ...")
         train_lib.time_interleaved([r for r in results if r.workload == name])
+    compiled.clear()
 
     meta["wall time (s)"] = round(time.perf_counter() - t_start, 1)
     import jax
@@ -174,6 +203,8 @@ def run_demo(
 
         png = plot_lib.save_figure(results, out_dir / "demo.png", titles=titles)
     report.print_tables(results, titles, console=console)
+    for note in report.seed_notes(results):
+        console.print(note)
     console.print(f"16-bit matmuls: {meta['16-bit matmuls']}")
     if meta["why slower"]:
         console.print("Slower than float32, and why:")
