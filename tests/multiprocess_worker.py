@@ -84,6 +84,8 @@ def main(argv=None):
     record["mesh_processes"] = [d.process_index for d in mesh.devices.flat]
     if args.phase in ("train", "resume_single"):
         record["dp"] = _data_parallel(mesh)
+    if args.phase == "train":
+        record["autocast"] = _autocast_data_parallel(mesh)
     record["fsdp"] = _fully_sharded(mesh, args.phase, args.out_dir)
 
     path = os.path.join(args.out_dir, f"{args.phase}-{args.process_id}.json")
@@ -235,6 +237,103 @@ def _data_parallel(mesh):
             }
         )
     return steps
+
+
+# ---- data parallel under autocast ----------------------------------------------
+
+AUTOCAST_STEPS = 4
+AUTOCAST_INF = {2: (37, 2)}  # in process 1's rows
+# (policy, where autocast goes, CPU bfloat16 formulation, reduce dtype)
+AUTOCAST_VARIANTS = (
+    ("mixed_bfloat16", "whole_step", "native", "float32"),
+    ("mixed_bfloat16", "loss_only", "emulated", "float32"),
+    ("mixed_bfloat16", "whole_step", "emulated", "bfloat16"),
+    ("mixed_bfloat16", "loss_only", "native", "bfloat16"),
+    ("mixed_float16", "whole_step", "native", "float16"),
+    ("mixed_float16", "loss_only", "native", "float32"),
+)
+
+
+def _bench_module():
+    import importlib.util
+
+    path = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        "benchmarks",
+        "bench_scaleout.py",
+    )
+    spec = importlib.util.spec_from_file_location("bench_scaleout", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_scaleout"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _autocast_data_parallel(mesh):
+    """Float32 code under autocast, replicated parameters, the batch sharded
+    over both processes: per variant, what the partitioner reduces the
+    gradients in, and every step's verdict and parameter digests."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import mixprec
+    import mixprec.optax as mpo
+    from mixprec._src.autocast import capability
+
+    bench = _bench_module()
+
+    def loss_fn(params, x, y):
+        h = jax.nn.relu(x @ params["w1"] + params["b1"])
+        return jnp.mean((h @ params["w2"] + params["b2"] - y) ** 2)
+
+    opt = mpo.loss_scaled(optax.adam(1e-2), mixprec.DynamicLossScale(2.0**12, period=2))
+    rng = np.random.default_rng(0)
+    host = {
+        "w1": (rng.standard_normal((FEATURES, 32)) / 4).astype(np.float32),
+        "b1": np.zeros(32, np.float32),
+        "w2": (rng.standard_normal((32, 16)) / 6).astype(np.float32),
+        "b2": np.zeros(16, np.float32),
+    }
+    w_true = rng.standard_normal((FEATURES, 16)).astype(np.float32)
+    repl = NamedSharding(mesh, P())
+    out = {}
+    for policy_name, where, formulation, reduce in AUTOCAST_VARIANTS:
+        policy = mixprec.get_policy(policy_name).with_reduce_dtype(reduce)
+
+        def step(params, opt_state, x, y, policy=policy, where=where):
+            f = loss_fn if where == "whole_step" else mixprec.autocast(loss_fn, policy)
+            loss, grads, finite = mixprec.value_and_grad(f)(
+                params, x, y, loss_scale=opt_state
+            )
+            updates, opt_state = opt.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss, finite
+
+        if where == "whole_step":
+            step = mixprec.autocast(step, policy)
+        params = _put(host, jax.tree.map(lambda _: repl, host), jax)
+        opt_state = jax.jit(opt.init, out_shardings=repl)(params)
+        x0, y0 = _batch(0, jax, np, mesh, {}, w_true)
+        with capability.override(formulation):
+            lowered = jax.jit(step, out_shardings=repl).lower(params, opt_state, x0, y0)
+            hlo, compiled = bench.partitioned_hlo(lowered)
+        steps = []
+        for i in range(AUTOCAST_STEPS):
+            x, y = _batch(i, jax, np, mesh, AUTOCAST_INF, w_true)
+            params, opt_state, loss, finite = compiled(params, opt_state, x, y)
+            steps.append(
+                {
+                    "stats": _stats(opt_state, jax, np),
+                    "grads_finite": _replicated_value(finite, np),
+                    "params": _digest(params, jax, np),
+                    "dtypes": sorted({str(v.dtype) for v in params.values()}),
+                }
+            )
+        key = f"{policy_name}/{where}/{formulation}/r={reduce}"
+        out[key] = {"collectives": bench.collective_bytes(hlo), "steps": steps}
+    return out
 
 
 # ---- fully sharded: shard_map, sharded parameters and optimizer state ----------

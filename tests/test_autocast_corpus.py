@@ -327,8 +327,11 @@ def rule_violations(report, low) -> tuple[list[str], dict[str, int]]:
     """Checks every op of an explain report against the dtype rule.
 
     * allow ops (dot_general, conv): operands in the low dtype and decision
-      'low', result low in a forward pass and its traced dtype in a backward
-      pass; a precision=HIGHEST dot stays float32;
+      'low', result low in a forward pass; in a backward pass, low when it is
+      the gradient of an activation (one operand is an operand of a forward
+      product whose other operand arrived there in the low dtype), else its
+      traced dtype (a master weight's gradient stays float32); a
+      precision=HIGHEST dot stays float32;
     * deny ops (exp, log, reduce_sum, rsqrt...): float32 (under float16 also
       square, integer_pow, reciprocal);
     * gray ops: in the widest dtype of the operands that are not broadcast
@@ -352,6 +355,16 @@ def rule_violations(report, low) -> tuple[list[str], dict[str, int]]:
     stat.update({id(v): False for v in source.jaxpr.constvars})
     bad = []
     checked = {"allow": 0, "deny": 0, "gray": 0}
+    # id(var) -> the dtype the other operand of a forward product arrived in.
+    partner: dict[int, str | None] = {}
+    args = {id(v) for v in (*source.jaxpr.invars, *source.jaxpr.constvars)}
+
+    def arrived(v):
+        if _is_literal(v):
+            return None
+        if id(v) in received:
+            return received[id(v)]
+        return str(v.aval.dtype) if id(v) in args else None
 
     def where(op):
         side = "backward" if op.backward else "forward"
@@ -371,12 +384,26 @@ def rule_violations(report, low) -> tuple[list[str], dict[str, int]]:
             else:
                 traced = str(eqn.outvars[0].aval.dtype)
                 want_out = traced if op.backward else low_name
+                pair = list(eqn.invars[:2])
+                if not op.backward and len(pair) == 2:
+                    for v, other in ((pair[0], pair[1]), (pair[1], pair[0])):
+                        if _is_literal(v):
+                            continue
+                        d = arrived(other)
+                        seen = partner.get(id(v), d)
+                        partner[id(v)] = d if seen == d else "float32"
+                elif op.backward:
+                    known = [partner[id(v)] for v in pair if id(v) in partner]
+                    if len(known) == 1 and known[0] is None:
+                        want_out = None  # an operand of unknown dtype: unchecked
+                    elif len(known) == 1 and known[0] in ("bfloat16", "float16"):
+                        want_out = low_name
                 if op.decision != "low" or any(d != low_name for d in float_in):
                     bad.append(
                         f"{where(op)}: decided {op.decision} with {float_in} "
                         f"({op.reason})"
                     )
-                elif float_out and float_out[0] != want_out:
+                elif want_out is not None and float_out and float_out[0] != want_out:
                     bad.append(f"{where(op)}: returns {float_out[0]}, want {want_out}")
         elif (name in DENY or (name in NARROW_RANGE and low == F16)) and float_out:
             checked["deny"] += 1

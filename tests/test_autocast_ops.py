@@ -530,6 +530,20 @@ def test_high_precision_dots_stay_float32_and_backward_keeps_the_traced_dtype():
     assert _d("dot_general", [F32, F32]).out_dtype == BF16
 
 
+def test_backward_gemm_of_an_activation_gradient_stays_in_the_low_dtype():
+    for low in (BF16, F16):
+        d = _d("dot_general", [F32, F32], low=low, backward=True, traced_out=F32,
+               low_cotangent=True)  # fmt: skip
+        assert (d.precision, d.dtype, d.out_dtype) == (Precision.LOW, low, low)
+        assert "activation" in d.reason
+        # Only in a backward pass, and never for a high-precision dot.
+        fwd = _d("dot_general", [F32, F32], low=low, low_cotangent=True)
+        assert fwd == _d("dot_general", [F32, F32], low=low)
+        high = _d("dot_general", [F32, F32], low=low, backward=True,
+                  traced_out=F32, low_cotangent=True, high_precision=True)  # fmt: skip
+        assert (high.precision, high.out_dtype) == (Precision.FLOAT32, None)
+
+
 def test_other_half_type_and_float8_run_as_written():
     assert _d("dot_general", [BF16, BF16], low=F16).precision is Precision.ORIGINAL
     f8 = np.dtype(jnp.float8_e4m3fn)

@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import mixprec
 import mixprec.optax as mpo
+from mixprec._src.autocast import capability
 
 
 pytestmark = pytest.mark.standard_promotion  # optax's momentum update
@@ -203,3 +204,287 @@ def test_without_axis_name_unreduced_grads_would_diverge(mesh):
     _, _, stats = step(_params(), opt.init(_params()), x, y, jnp.int32(3))
     flags = np.asarray(stats["last_finite"]).tolist()
     assert flags == [True, True, True, False, True, True, True, True]
+
+
+# --- Autocast over a batch sharded on an Auto mesh -------------------------------
+
+_H, _D = 4, 16
+
+
+def _attn_params():
+    ks = jax.random.split(jax.random.key(0), 4)
+    return {
+        n: jax.random.normal(k, (_H * _D, _H * _D)) * 0.05
+        for n, k in zip(("wq", "wk", "wv", "wo"), ks, strict=True)
+    }
+
+
+def _attn_loss(p, x):
+    b, t, _ = x.shape
+    q = (x @ p["wq"]).reshape(b, t, _H, _D)
+    k = (x @ p["wk"]).reshape(b, t, _H, _D)
+    v = (x @ p["wv"]).reshape(b, t, _H, _D)
+    s = jnp.einsum("bthd,bshd->bhts", q, k) / jnp.sqrt(jnp.float32(_D)).astype(q.dtype)
+    a = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("bhts,bshd->bthd", a, v).reshape(b, t, _H * _D)
+    return jnp.mean((o @ p["wo"]) ** 2)
+
+
+_ATTN_OPT = optax.sgd(0.1, momentum=0.9)
+
+
+def _attn_step(p, s, x):
+    loss, g = jax.value_and_grad(_attn_loss)(p, x)
+    u, s = _ATTN_OPT.update(g, s, p)
+    return optax.apply_updates(p, u), s, loss
+
+
+def _attn_loss_only_step(p, s, x, *, policy):
+    loss, g = jax.value_and_grad(mixprec.autocast(_attn_loss, policy))(p, x)
+    u, s = _ATTN_OPT.update(g, s, p)
+    return optax.apply_updates(p, u), s, loss
+
+
+@pytest.mark.parametrize("formulation", ["native", "emulated"])
+@pytest.mark.parametrize("where", ["whole_step", "loss_only"])
+def test_autocast_attention_train_step_on_auto_mesh(mesh, formulation, where):
+    # The transpose of a dot under a mesh carries an out_sharding on the Auto
+    # mesh that shards nothing; treating it as explicit kept a bf16 x bf16 ->
+    # f32 dot that XLA:CPU's DotThunk cannot run (native formulation).
+    x = jax.random.normal(jax.random.key(1), (16, 32, _H * _D))
+    p = _attn_params()
+    s = _ATTN_OPT.init(p)
+    ref = jax.jit(_attn_step)(p, s, x)
+    xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+    with capability.override(formulation):
+        if where == "whole_step":
+            f = mixprec.autocast(_attn_step, "mixed_bfloat16")
+        else:
+            f = ft.partial(_attn_loss_only_step, policy="mixed_bfloat16")
+        p1, s1, loss = jax.jit(f)(p, s, xs)
+    assert loss.dtype == jnp.float32 and bool(jnp.isfinite(loss))
+    assert_trees_close(loss, ref[2], dtype=jnp.bfloat16)
+    # One SGD step: the update is -0.1 x the gradient.
+    update = jax.tree.map(jnp.subtract, p1, p)
+    ref_update = jax.tree.map(jnp.subtract, ref[0], p)
+    assert_trees_close(update, ref_update, dtype=jnp.bfloat16, grad=True)
+    for leaf in jax.tree.leaves(p1):
+        assert leaf.dtype == jnp.float32
+        _replicas_identical(leaf)
+
+
+# --- communication under autocast: what the partitioner reduces and gathers in ----
+
+
+def _bench():
+    """``benchmarks/bench_scaleout.py``, for its HLO reader."""
+    import importlib.util
+    import os
+    import sys
+
+    path = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        "benchmarks",
+        "bench_scaleout.py",
+    )
+    spec = importlib.util.spec_from_file_location("bench_scaleout", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_scaleout"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+_BENCH = _bench()
+_NAMES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
+
+
+def _mlp_loss(p, x):
+    h = jax.nn.gelu(x @ p["w1"])
+    return jnp.mean((h @ p["w2"]) ** 2)
+
+
+def _sgd(p, g):
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, g)
+
+
+def _comm_step(where, policy):
+    if where == "whole_step":
+        return mixprec.autocast(lambda p, x: _sgd(p, jax.grad(_mlp_loss)(p, x)), policy)
+    return lambda p, x: _sgd(p, jax.grad(mixprec.autocast(_mlp_loss, policy))(p, x))
+
+
+def _comm_inputs(mesh, fsdp):
+    ps = NamedSharding(mesh, P("data") if fsdp else P())
+    k1, k2, k3 = jax.random.split(jax.random.key(3), 3)
+    p = {
+        "w1": jax.device_put(jax.random.normal(k1, (64, 128)) * 0.1, ps),
+        "w2": jax.device_put(jax.random.normal(k2, (128, 64)) * 0.1, ps),
+    }
+    x = jax.device_put(jax.random.normal(k3, (128, 64)), NamedSharding(mesh, P("data")))
+    return p, x
+
+
+@pytest.mark.parametrize("formulation", ["native", "emulated"])
+@pytest.mark.parametrize("where", ["loss_only", "whole_step"])
+@pytest.mark.parametrize(
+    "policy,reduce",
+    [
+        ("mixed_bfloat16", "float32"),
+        ("mixed_bfloat16", "bfloat16"),
+        ("mixed_float16", "float32"),
+        ("mixed_float16", "float16"),
+    ],
+)
+def test_gradient_reductions_follow_the_policy(
+    mesh, policy, reduce, where, formulation
+):
+    # Read from the HLO right after SPMD partitioning (XLA:CPU widens 16-bit
+    # collectives later): every gradient all-reduce is in the reduce dtype.
+    pol = mixprec.get_policy(policy).with_reduce_dtype(reduce)
+    p, x = _comm_inputs(mesh, fsdp=True)
+    with capability.override(formulation):
+        lowered = jax.jit(_comm_step(where, pol)).lower(p, x)
+        hlo, compiled = _BENCH.partitioned_hlo(lowered)
+    comm = _BENCH.collective_bytes(hlo)
+    reductions = {**comm.get("all-reduce", {}), **comm.get("reduce-scatter", {})}
+    want = _NAMES[reduce]
+    assert set(reductions) == {want}, comm
+    # Both weights' gradients, whole, once each: 2 x 8192 elements.
+    assert sum(reductions.values()) == 2 * 8192 * np.dtype(jnp.dtype(reduce)).itemsize
+    # Parameters are gathered in the compute dtype where the formulation
+    # multiplies 16-bit operands (CPU native bfloat16; float16 is upcast on CPU
+    # after the gather, in float32, for every formulation but the GPU's).
+    if policy == "mixed_bfloat16" and formulation == "native":
+        assert set(comm["all-gather"]) == {"bf16"}, comm
+    p1 = compiled(p, x)
+    for leaf in jax.tree.leaves(p1):
+        assert leaf.dtype == jnp.float32
+        assert leaf.sharding.spec == P("data")
+        assert bool(jnp.all(jnp.isfinite(leaf)))
+
+
+def test_bfloat16_reductions_stay_within_bfloat16_tolerance(mesh):
+    p, x = _comm_inputs(mesh, fsdp=False)
+    ref = jax.jit(lambda p, x: _sgd(p, jax.grad(_mlp_loss)(p, x)))(p, x)
+    out = {}
+    for reduce in ("float32", "bfloat16"):
+        pol = mixprec.get_policy("mixed_bfloat16").with_reduce_dtype(reduce)
+        out[reduce] = jax.jit(_comm_step("whole_step", pol))(p, x)
+        upd = jax.tree.map(jnp.subtract, out[reduce], p)
+        ref_upd = jax.tree.map(jnp.subtract, ref, p)
+        assert_trees_close(upd, ref_upd, dtype=jnp.bfloat16, grad=True)
+        for leaf in jax.tree.leaves(out[reduce]):
+            _replicas_identical(leaf)
+    # The reductions differ: bfloat16 rounds each device's partial gradient.
+    assert not all(
+        bool(jnp.array_equal(a, b))
+        for a, b in zip(
+            jax.tree.leaves(out["float32"]),
+            jax.tree.leaves(out["bfloat16"]),
+            strict=True,
+        )
+    )
+
+
+def _autocast_train(where, policy):
+    def loss(params, x, y):
+        h = x @ params["w"] + params["b"][None, :]
+        return jnp.mean((h - y) ** 2)
+
+    def step(params, opt_state, x, y, bad_col):
+        if where == "whole_step":
+            _, grads, _ = mixprec.value_and_grad(loss)(
+                params, x, y, loss_scale=opt_state
+            )
+        else:
+            _, grads, _ = mixprec.value_and_grad(mixprec.autocast(loss, policy))(
+                params, x, y, loss_scale=opt_state
+            )
+        cols = jnp.arange(8)[None, :]
+        grads["w"] = jnp.where(cols == bad_col, jnp.inf, grads["w"])
+        updates, opt_state = OPT.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return mixprec.autocast(step, policy) if where == "whole_step" else step
+
+
+@pytest.mark.parametrize("formulation", ["native", "emulated"])
+@pytest.mark.parametrize("where", ["loss_only", "whole_step"])
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_autocast_every_device_skips_together(mesh, policy, where, formulation):
+    x, y = _data()
+    cols = NamedSharding(mesh, P(None, "data"))
+    repl = NamedSharding(mesh, P())
+    params = {
+        "w": jax.device_put(jax.random.normal(jax.random.key(5), (16, 8)) * 0.1, cols),
+        "b": jax.device_put(jnp.zeros(8), repl),
+    }
+    opt_state = jax.device_put(OPT.init(_params()), repl)
+    opt_state = opt_state._replace(
+        inner_state=jax.tree.map(
+            lambda a, p: jax.device_put(a, p.sharding),
+            _st(opt_state).inner_state,
+            (optax.TraceState(trace=params), optax.EmptyState()),
+        )
+    )
+    xs, ys = jax.device_put(x, NamedSharding(mesh, P("data"))), jax.device_put(y, repl)
+    with capability.override(formulation):
+        step = jax.jit(_autocast_train(where, policy))
+        # An inf in device 5's column of the gradient only: every device skips,
+        # and the parameters are bit-identical to before.
+        p1, s1 = step(params, opt_state, xs, ys, 5)
+        assert not bool(_st(s1).last_finite) and int(_st(s1).num_skipped) == 1
+        jax.tree.map(np.testing.assert_array_equal, p1, params)
+        _replicas_identical(_st(s1).last_finite)
+        _replicas_identical(_st(s1).loss_scale.loss_scale)
+        # Then finite steps: every device updates, replicas stay identical.
+        p2, s2 = step(p1, s1, xs, ys, -1)
+        p2, s2 = step(p2, s2, xs, ys, -1)
+    assert bool(_st(s2).last_finite) and int(_st(s2).num_skipped) == 1
+    assert not bool(jnp.array_equal(p2["w"], params["w"]))
+    assert p2["w"].sharding == cols and p2["w"].dtype == jnp.float32
+    _replicas_identical(p2["b"])
+    _replicas_identical(_st(s2).loss_scale.loss_scale)
+
+
+@pytest.mark.parametrize(
+    "policy,reduce",
+    [
+        ("mixed_bfloat16", "float32"),
+        ("mixed_bfloat16", "bfloat16"),
+        ("mixed_float16", "float16"),
+    ],
+)
+def test_shard_map_psum_follows_the_reduce_dtype(mesh, policy, reduce):
+    # Data parallel written by hand: per-device gradients, then a psum.
+    def step(p, x):
+        g = jax.grad(_mlp_loss)(p, x)
+        g = jax.tree.map(lambda a: jax.lax.psum(a, "data") / N_DEV, g)
+        return _sgd(p, g)
+
+    pol = mixprec.get_policy(policy).with_reduce_dtype(reduce)
+    f = jax.jit(
+        jax.shard_map(
+            mixprec.autocast(step, pol),
+            mesh=mesh,
+            in_specs=(P(), P("data")),
+            out_specs=P(),
+            check_vma=False,
+        )
+    )
+    p, x = _comm_inputs(mesh, fsdp=False)
+    hlo, compiled = _BENCH.partitioned_hlo(f.lower(p, x))
+    comm = _BENCH.collective_bytes(hlo)
+    itemsize = np.dtype(jnp.dtype(reduce)).itemsize
+    assert comm == {"all-reduce": {_NAMES[reduce]: 2 * 8192 * itemsize}}, comm
+    p1 = compiled(p, x)
+    ref = jax.jit(lambda p, x: _sgd(p, jax.grad(_mlp_loss)(p, x)))(p, x)
+    for a in jax.tree.leaves(p1):
+        assert a.dtype == jnp.float32  # the sum comes back in its operand's dtype
+        _replicas_identical(a)
+    upd = jax.tree.map(jnp.subtract, p1, p)
+    ref_upd = jax.tree.map(jnp.subtract, ref, p)
+    assert_trees_close(
+        upd, ref_upd, dtype=jnp.dtype(policy.removeprefix("mixed_")), grad=True
+    )

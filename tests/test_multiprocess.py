@@ -23,7 +23,7 @@ from helpers import assert_trees_close
 
 
 WORKER = Path(__file__).with_name("multiprocess_worker.py")
-TIMEOUT_S = 120
+TIMEOUT_S = 240
 N_DEVICES = 8
 
 
@@ -162,6 +162,49 @@ def test_data_parallel_on_two_processes_matches_one_process(runs):
         actual = {k: np.asarray(v, np.float32) for k, v in a["params_values"].items()}
         ref = {k: np.asarray(v, np.float32) for k, v in b["params_values"].items()}
         assert_trees_close(actual, ref, dtype=jnp.float16)
+
+
+# ---- data parallel under autocast --------------------------------------------------
+
+_SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+
+
+def test_autocast_reductions_and_skips_agree_across_processes(runs):
+    a, b = (rec["autocast"] for rec in runs["train"])
+    assert sorted(a) == sorted(b) and len(a) == 6
+    for key in a:
+        policy, where, formulation, reduce = key.split("/")
+        del policy, where, formulation
+        want = _SHORT[reduce.removeprefix("r=")]
+        # The partitioned program, the same on both processes: the weight
+        # matrices' gradients (16 x 32 + 32 x 16 elements) are all-reduced in
+        # the policy's reduce dtype. Bias gradients (sums, not products) and the
+        # loss-scale statistics stay float32: 48 + a few elements.
+        assert a[key]["collectives"] == b[key]["collectives"], key
+        reductions = a[key]["collectives"]["all-reduce"]
+        weights = 16 * 32 + 32 * 16
+        if want == "f32":
+            assert set(reductions) == {"f32"}, (key, reductions)
+            assert reductions["f32"] >= 4 * weights, (key, reductions)
+        else:
+            assert set(reductions) == {want, "f32"}, (key, reductions)
+            assert reductions[want] == 2 * weights, (key, reductions)
+            assert reductions["f32"] < 4 * 64, (key, reductions)
+        for step, (sa, sb) in enumerate(
+            zip(a[key]["steps"], b[key]["steps"], strict=True)
+        ):
+            # The same verdict, scale and parameters, bit for bit, in both.
+            assert sa["stats"] == sb["stats"], (key, step)
+            assert sa["grads_finite"] == sb["grads_finite"], (key, step)
+            _merge(sa["params"], sb["params"])
+            assert sa["params"] == sb["params"], (key, step)
+            assert sa["dtypes"] == ["float32"], key
+        steps = a[key]["steps"]
+        # The inf in process 1's rows at step 2: both processes skip it.
+        assert [s["grads_finite"] for s in steps] == [True, True, False, True], key
+        assert [s["stats"]["num_skipped"] for s in steps] == [0, 0, 1, 1], key
+        assert steps[2]["params"] == steps[1]["params"], key
+        assert steps[3]["params"] != steps[2]["params"], key
 
 
 # ---- fully sharded (shard_map, sharded parameters and optimizer state) -----------

@@ -79,13 +79,89 @@ def test_cuda_export_runs_16_bit_gemms_without_cpu_rewrites(low, where):
     for operands, result in dots:
         assert operands == (short, short), dots
         assert result in (short, "f32"), dots
-    # The gradients of the float32 weights leave their GEMMs in float32; the
-    # whole step's backward dots are equations traced in float32, and keep
-    # that result dtype (the activation gradient too).
+    # The gradients of the two float32 weights leave their GEMMs in float32;
+    # the activation gradient in 16 bits, wrapped loss or whole step alike.
     wide = sum(result == "f32" for _, result in dots)
-    assert wide == (2 if where == "loss" else 3), dots
+    assert wide == 2, dots
     # None of the CPU formulation's rewrites (barriers around canonical dots).
     assert "optimization_barrier" not in text
+
+
+def _dot_bytes(dots_with_shapes):
+    return sum(n * {"f32": 4, "bf16": 2, "f16": 2}[t] for n, t in dots_with_shapes)
+
+
+def _dot_results(module_text):
+    """``(elements, element type)`` of the result of every dot_general."""
+    out = []
+    for line in module_text.splitlines():
+        if "stablehlo.dot_general" not in line:
+            continue
+        result = line.rsplit(" : ", 1)[1].split(" -> ")[1]
+        dims, dtype = re.findall(r"tensor<((?:[\d]+x)*)(\w+)>", result)[-1]
+        n = int(np.prod([int(d) for d in dims.split("x") if d], dtype=np.int64))
+        out.append((n, dtype))
+    return out
+
+
+@pytest.mark.parametrize("low", ["bfloat16", "float16"])
+def test_whole_step_cuda_export_runs_the_gemms_of_a_wrapped_loss(low, monkeypatch):
+    # A GPT (attention, LayerNorm, tied embedding): wrapping the whole train
+    # step must give the GEMMs that wrapping only the loss gives, the
+    # activation gradients in 16 bits included, while the master weights and
+    # the optimizer stay float32.
+    import functools as ft
+
+    from mixprec._src import _compat
+    from mixprec._src.workloads import gpt2
+
+    # Only a wrapped loss gets cuDNN's fused attention (see
+    # test_autocast_attention.py); with no cuDNN, as on this host, both run
+    # the attention's GEMMs, which are compared here.
+    def no_cudnn():
+        raise RuntimeError("cuDNN is not detected.")
+
+    monkeypatch.setattr(
+        _compat.cudnn_attention_module(), "check_cudnn_version", no_cudnn
+    )
+
+    cfg = gpt2.GPT2Config(
+        vocab_size=256, seq_len=32, d_model=64, num_heads=4, num_layers=2
+    )
+    params = jax.tree.map(jnp.asarray, gpt2.init(cfg))
+    x, y = gpt2.batch(cfg, 2)
+    f32 = ft.partial(gpt2.loss, config=cfg)
+    opt = optax.adamw(1e-3)
+    policy = f"mixed_{low}"
+
+    def train_step(loss):
+        def step(state, x, y):
+            p, opt_state = state
+            value, g = jax.value_and_grad(loss)(p, x, y)
+            updates, opt_state = opt.update(g, opt_state, p)
+            return (optax.apply_updates(p, updates), opt_state), value
+
+        return step
+
+    state = (params, opt.init(params))
+    loss_only = jax.jit(train_step(mixprec.autocast(f32, policy)))
+    whole = jax.jit(mixprec.autocast(train_step(f32), policy))
+    with jax.numpy_dtype_promotion("standard"):  # optax's bias correction
+        texts = [
+            export.export(f, platforms=["cuda"])(state, x, y).mlir_module()
+            for f in (loss_only, whole)
+        ]
+        out = jax.eval_shape(whole, state, x, y)
+    a, b = (sorted(_dot_results(t)) for t in texts)
+    assert len(a) == 3 * (4 * cfg.num_layers + 2 * cfg.num_layers + 1)
+    assert a == b
+    assert _dot_bytes(a) == _dot_bytes(b)
+    short = {"bfloat16": "bf16", "float16": "f16"}[low]
+    assert sorted(_dots(texts[0])) == sorted(_dots(texts[1]))
+    assert {ops for ops, _ in _dots(texts[1])} == {(short, short)}
+    # The new state is float32, as it came in.
+    for got, want in zip(jax.tree.leaves(out[0]), jax.tree.leaves(state), strict=True):
+        assert got.dtype == want.dtype
 
 
 @pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])

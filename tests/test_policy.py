@@ -263,3 +263,77 @@ def test_env_var_policy(monkeypatch):
             importlib.reload(_config)
     finally:
         mixprec.set_global_policy("float32")
+
+
+# --- the communication policy ----------------------------------------------------
+
+
+def test_communication_defaults():
+    policy = get_policy("mixed_bfloat16")
+    assert policy.gather_dtype is None
+    assert policy.resolved_gather_dtype == jnp.bfloat16
+    assert policy.reduce_dtype == jnp.float32
+    # The default gather dtype follows the compute dtype.
+    assert policy.with_compute_dtype("f16").resolved_gather_dtype == jnp.float16
+    # JMP's positional constructor still works and gives the defaults.
+    assert Policy(jnp.float32, jnp.bfloat16, jnp.float32) == policy
+
+
+@pytest.mark.parametrize(
+    "spec,gather,reduce",
+    [
+        ("p=f32,c=bf16,o=f32,r=bf16", "bfloat16", "bfloat16"),
+        ("p=f32,c=bf16,o=f32,g=f32", "float32", "float32"),
+        ("params=f32,compute=f16,gather=f32,reduce=f16", "float32", "float16"),
+        ("p=f32,c=bf16,g=bf16", "bfloat16", "float32"),
+    ],
+)
+def test_communication_grammar(spec, gather, reduce):
+    policy = get_policy(spec)
+    assert policy.resolved_gather_dtype == np.dtype(jnp.dtype(gather))
+    assert policy.reduce_dtype == np.dtype(jnp.dtype(reduce))
+    assert get_policy(str(policy)) == policy
+    assert hash(get_policy(str(policy))) == hash(policy)
+
+
+def test_communication_equality_and_with_methods():
+    base = get_policy("mixed_bfloat16")
+    # The compute dtype spelled out as gather dtype is the default.
+    assert base.with_gather_dtype("bf16") == base
+    assert str(base.with_gather_dtype("bf16")) == str(base)
+    wide = base.with_gather_dtype(jnp.float32)
+    assert wide != base and wide.gather_dtype == jnp.float32
+    assert wide.with_gather_dtype(None) == base
+    low = base.with_reduce_dtype("bf16")
+    assert low != base and low.reduce_dtype == jnp.bfloat16
+    assert low.with_reduce_dtype(np.float32) == base
+    assert "reduce_dtype=dtype(bfloat16)" in repr(low)
+
+
+@pytest.mark.parametrize("bad", ["int32", jnp.int8, "bool", "nonsense"])
+def test_reduce_dtype_must_be_a_float(bad):
+    with pytest.raises(
+        ValueError, match=r"`Policy\(\.\.\., reduce_dtype=\.\.\.\)`.*bfloat16, float16"
+    ):
+        Policy("f32", "bf16", "f32", reduce_dtype=bad)
+
+
+@pytest.mark.parametrize(
+    "compute,gather,choices",
+    [
+        ("bf16", "f16", "bfloat16, float32, float64"),
+        ("f32", "bf16", "float32, float64"),
+        ("f16", "bf16", "float16, float32, float64"),
+    ],
+)
+def test_gather_dtype_may_not_be_narrower(compute, gather, choices):
+    with pytest.raises(ValueError, match=r"gather_dtype=\.\.\.\)`") as info:
+        Policy("f32", compute, "f32", gather_dtype=gather)
+    assert f"Valid choices are {choices} or None" in str(info.value)
+
+
+def test_bad_communication_in_a_string_names_the_spec():
+    with pytest.raises(ValueError, match=r"get_policy\('c=bf16,r=int8'\)"):
+        get_policy("c=bf16,r=int8")
+    with pytest.raises(ValueError, match=r"get_policy\('c=f32,g=bf16'\).*gather_dtype"):
+        get_policy("c=f32,g=bf16")

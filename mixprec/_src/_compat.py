@@ -411,6 +411,12 @@ def cpu_features() -> dict[str, bool] | None:
     return None
 
 
+def cudnn_attention_module() -> Any:
+    """JAX's cuDNN attention module (tests pretend cuDNN is present with it, to
+    export the fused formulation for ``cuda`` from a CPU host)."""
+    return importlib.import_module("jax._src.cudnn.fused_attention_stablehlo")
+
+
 # -- XLA:CPU workarounds ------------------------------------------------------------
 
 

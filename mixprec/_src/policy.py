@@ -99,6 +99,10 @@ _KEYS = {
     "output": "output",
     "f8": "float8",
     "float8": "float8",
+    "g": "gather",
+    "gather": "gather",
+    "r": "reduce",
+    "reduce": "reduce",
 }
 
 
@@ -139,6 +143,23 @@ class Policy:
         float8: a :class:`~mixprec.Float8Recipe` under which autocast runs
             matmuls and convolutions in float8 (``None``: it does not). The
             casts of this class ignore it.
+        gather_dtype: the communication dtype parameters are gathered in
+            when they are sharded (FSDP/ZeRO-3): ``None`` (default) gathers
+            them in :attr:`compute_dtype`, each gathered once per step and
+            reused by the backward pass. A wider dtype (``float32``) leaves
+            the rounding to each product, after the partitioner's gather of
+            the master weight. It may not be narrower than
+            :attr:`compute_dtype`.
+        reduce_dtype: the communication dtype gradients are reduced in across
+            devices (the all-reduce or reduce-scatter of a data-parallel or
+            FSDP gradient, a ``psum`` of gradients in ``shard_map``): float32 by
+            default, whether autocast wraps the loss or the whole step;
+            ``bfloat16`` halves the bytes of every gradient reduction at the
+            cost of rounding each device's partial gradient (measured in
+            ``docs/many_devices.md``). Any floating dtype.
+
+    Together these two fields are the policy's *communication policy*; they
+    appear in the policy string as ``g=`` and ``r=`` when not the defaults.
 
     Each dtype accepts a NumPy dtype, a ``jnp`` scalar type or a name
     (``"bfloat16"``, ``"bf16"``, ``"half"``, ...) and is stored as an ``np.dtype``,
@@ -156,12 +177,17 @@ class Policy:
         dtype(bfloat16)
         >>> str(Policy("f32", "bf16", "f32", float8=Float8Recipe("rowwise")))
         'p=f32,c=bf16,o=f32,f8=rowwise'
+        >>> comm = Policy("f32", "bf16", "f32", reduce_dtype="bf16")
+        >>> str(comm), comm.resolved_gather_dtype, comm.reduce_dtype
+        ('p=f32,c=bf16,o=f32,r=bf16', dtype(bfloat16), dtype(bfloat16))
     """
 
     param_dtype: np.dtype
     compute_dtype: np.dtype
     output_dtype: np.dtype
     float8: Float8Recipe | None = None
+    gather_dtype: np.dtype | None = None
+    reduce_dtype: np.dtype = np.dtype(np.float32)
 
     def __init__(
         self,
@@ -170,6 +196,8 @@ class Policy:
         output_dtype: DTypeLike,
         *,
         float8: Float8Recipe | str | None = None,
+        gather_dtype: DTypeLike | None = None,
+        reduce_dtype: DTypeLike = np.float32,
     ):
         given = dict(
             param_dtype=param_dtype,
@@ -190,6 +218,36 @@ class Policy:
                 f"recipe name such as 'tensorwise', or None, got {float8!r} instead."
             )
         object.__setattr__(self, "float8", float8)
+        reduce = _comm_dtype(reduce_dtype, "reduce_dtype")
+        object.__setattr__(self, "reduce_dtype", reduce)
+        gather = None
+        if gather_dtype is not None:
+            gather = _comm_dtype(gather_dtype, "gather_dtype")
+            if gather != self.compute_dtype and not _widens(self.compute_dtype, gather):
+                raise ValueError(
+                    "Expected `Policy(..., gather_dtype=...)` to be the compute "
+                    f"dtype {self.compute_dtype.name} or a dtype that holds every "
+                    f"{self.compute_dtype.name} value exactly, got {gather.name} "
+                    "instead: gathering parameters narrower than they are computed "
+                    "in would round them twice. Valid choices are "
+                    f"{_comm_choices(self.compute_dtype)} or None (the compute dtype)."
+                )
+            if gather == self.compute_dtype:
+                gather = None  # the default, spelled out: equal policies
+        object.__setattr__(self, "gather_dtype", gather)
+
+    @property
+    def resolved_gather_dtype(self) -> np.dtype:
+        """The dtype parameters are gathered in: :attr:`gather_dtype`, or
+        :attr:`compute_dtype` when that is ``None``.
+
+        Examples:
+            >>> get_policy("mixed_bfloat16").resolved_gather_dtype
+            dtype(bfloat16)
+            >>> get_policy("p=f32,c=bf16,g=f32").resolved_gather_dtype
+            dtype('float32')
+        """
+        return self.compute_dtype if self.gather_dtype is None else self.gather_dtype
 
     def cast_to_param(self, x: T) -> T:
         """Casts floating array leaves of ``x`` to :attr:`param_dtype`.
@@ -254,6 +312,25 @@ class Policy:
         """
         return dataclasses.replace(self, float8=float8)
 
+    def with_gather_dtype(self, gather_dtype: DTypeLike | None) -> "Policy":
+        """Returns a copy with :attr:`gather_dtype` replaced (``None``: the
+        compute dtype).
+
+        Examples:
+            >>> str(get_policy("mixed_bfloat16").with_gather_dtype("f32"))
+            'p=f32,c=bf16,o=f32,g=f32'
+        """
+        return dataclasses.replace(self, gather_dtype=gather_dtype)
+
+    def with_reduce_dtype(self, reduce_dtype: DTypeLike) -> "Policy":
+        """Returns a copy with :attr:`reduce_dtype` replaced.
+
+        Examples:
+            >>> str(get_policy("mixed_bfloat16").with_reduce_dtype("bf16"))
+            'p=f32,c=bf16,o=f32,r=bf16'
+        """
+        return dataclasses.replace(self, reduce_dtype=reduce_dtype)
+
     def __str__(self) -> str:
         def name(dtype: np.dtype) -> str:
             return dtype_to_names.get(dtype, (dtype.name,))[0]
@@ -262,7 +339,48 @@ class Policy:
             f"p={name(self.param_dtype)},c={name(self.compute_dtype)},"
             f"o={name(self.output_dtype)}"
         )
-        return text if self.float8 is None else f"{text},f8={self.float8}"
+        if self.float8 is not None:
+            text = f"{text},f8={self.float8}"
+        if self.gather_dtype is not None:
+            text = f"{text},g={name(self.gather_dtype)}"
+        if self.reduce_dtype != np.dtype(np.float32):
+            text = f"{text},r={name(self.reduce_dtype)}"
+        return text
+
+
+_COMM_DTYPES = ("bfloat16", "float16", "float32", "float64")
+
+
+def _comm_dtype(value: DTypeLike, field: str) -> np.dtype:
+    """A communication dtype of the policy: any floating dtype, else an error
+    naming ``field`` and the choices."""
+    try:
+        if isinstance(value, str) and value.strip().lower() in _DTYPE_NAMES:
+            return _parse_dtype(value, spec=value)
+        dtype = np.dtype(jnp.dtype(value))
+    except (TypeError, ValueError):
+        dtype = None
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(
+            f"Expected `Policy(..., {field}=...)` to be a floating dtype, got "
+            f"{value!r} instead. Valid choices are {', '.join(_COMM_DTYPES)}."
+        )
+    return dtype
+
+
+def _widens(narrow: np.dtype, wide: np.dtype) -> bool:
+    """Whether every ``narrow`` value is exactly a ``wide`` value."""
+    fn, fw = jnp.finfo(narrow), jnp.finfo(wide)
+    return fw.nmant >= fn.nmant and fw.maxexp >= fn.maxexp and fw.minexp <= fn.minexp
+
+
+def _comm_choices(compute: np.dtype) -> str:
+    names = [
+        n
+        for n in _COMM_DTYPES
+        if n == compute.name or _widens(compute, np.dtype(jnp.dtype(n)))
+    ]
+    return ", ".join(names)
 
 
 def get_policy(spec: "str | Policy") -> Policy:
@@ -282,6 +400,10 @@ def get_policy(spec: "str | Policy") -> Policy:
       autocast runs in float8 with the default :class:`~mixprec.Float8Recipe`
       (tensorwise current scaling). The key ``f8`` (``float8``) adds a recipe to
       a JMP string: ``"p=f32,c=bf16,o=f32,f8=rowwise"``.
+    * The communication policy: ``g``/``gather`` (the dtype sharded parameters
+      are gathered in, default the compute dtype) and ``r``/``reduce`` (the
+      dtype gradients are reduced in, default float32):
+      ``"p=f32,c=bf16,o=f32,r=bf16"``.
 
     Args:
         spec: the policy string, or a ``Policy``.
@@ -351,7 +473,17 @@ def get_policy(spec: "str | Policy") -> Policy:
     param = dtypes.get("param", np.dtype(jnp.float32))
     compute = dtypes.get("compute", param)
     output = dtypes.get("output", compute)
-    return Policy(param, compute, output, float8=float8)
+    try:
+        return Policy(
+            param,
+            compute,
+            output,
+            float8=float8,
+            gather_dtype=dtypes.get("gather"),
+            reduce_dtype=dtypes.get("reduce", np.dtype(np.float32)),
+        )
+    except ValueError as e:
+        raise ValueError(f"`get_policy({spec!r})`: {e}") from None
 
 
 # The process-wide policy, and a per-thread stack of scoped overrides.

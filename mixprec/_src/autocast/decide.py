@@ -10,9 +10,12 @@ rules carry out and the numerics tools report. Under the default mode
   accumulate in float32. The result is in the low dtype, except in a backward
   pass (the equations JAX names ``transpose(...)``), where it keeps the dtype it
   was traced with, as the gradients of an autocast loss do; so the gradient of a
-  float32 master weight stays float32. A dot written with ``precision=HIGH`` or
-  ``HIGHEST`` (or under ``jax.default_matmul_precision("highest")``) runs in
-  float32.
+  float32 master weight stays float32. The gradient of an operand that the
+  forward product received in the low dtype (an activation) is in the low
+  dtype, as the derivative of an autocast product gives it: a whole training
+  step under autocast runs the backward GEMMs of an autocast loss. A dot
+  written with ``precision=HIGH`` or ``HIGHEST`` (or under
+  ``jax.default_matmul_precision("highest")``) runs in float32.
 * **Deny** ops run in float32. Ops flagged ``narrow_range`` (``square``,
   ``integer_pow``, ``reciprocal``) are denied only under float16; under
   bfloat16, which has float32's range, they are gray.
@@ -93,7 +96,12 @@ from jax.extend.core import JaxprEqn, Literal
 from mixprec._src import _compat, float8 as f8
 from mixprec._src.autocast import ops
 from mixprec._src.autocast.avals import aval_shape, float_dtype, same_shape, size
-from mixprec._src.autocast.ops import FLOAT32_ONLY, NARROW_RANGE, OpClass
+from mixprec._src.autocast.ops import (
+    CROSS_DEVICE_SUM,
+    FLOAT32_ONLY,
+    NARROW_RANGE,
+    OpClass,
+)
 
 
 __all__ = [
@@ -108,6 +116,7 @@ __all__ = [
     "branch_dtypes",
     "carry_dtypes",
     "decide",
+    "decide_attention",
     "decide_epilogue",
     "decide_eqn",
     "out_marks",
@@ -231,11 +240,13 @@ def decide(
     backward: bool = False,
     high_precision: bool = False,
     traced_out: np.dtype | None = None,
+    low_cotangent: bool = False,
     float8: f8.Float8Recipe | None = None,
     float8_dims: tuple[tuple[str, int], ...] | None = None,
     float8_align: tuple[tuple[str, int], ...] = (),
     float8_rowwise: bool = True,
     gradients: tuple[bool, ...] = (),
+    reduce: np.dtype | None = None,
 ) -> Decision:
     """Decides the precision of one equation (see the module docstring).
 
@@ -252,6 +263,10 @@ def decide(
         high_precision: a dot that asks for ``HIGH``/``HIGHEST`` precision.
         traced_out: the dtype the op's result was traced with (allow ops in a
             backward pass return it).
+        low_cotangent: an allow op of a backward pass that computes the
+            gradient of an operand its forward op received in a 16-bit dtype
+            (an activation): its result stays in the low dtype, as the
+            derivative of an autocast product gives it.
         float8: the policy's float8 recipe (allow ops only).
         float8_dims: ``(name, size)`` of the product's dimensions, for the
             recipe's skip rules.
@@ -260,6 +275,7 @@ def decide(
         float8_rowwise: whether a rowwise recipe scales this op rowwise (a
             matmul) or tensorwise (a convolution).
         gradients: per operand, whether it is a gradient (goes to e5m2).
+        reduce: the policy's reduce dtype: a cross-device sum runs in it.
 
     Returns:
         The :class:`Decision`.
@@ -326,7 +342,8 @@ def decide(
     def float32(reason: str) -> Decision:
         return Decision(Precision.FLOAT32, _F32, op_class, reason)
 
-    allow_out = traced_out if backward and traced_out is not None else low
+    keeps_traced = backward and traced_out is not None and not low_cotangent
+    allow_out = traced_out if keeps_traced else low
 
     def allow(reason: str) -> Decision:
         """An allow op that runs lowered: in float8 if the policy says so."""
@@ -360,6 +377,11 @@ def decide(
     if op_class == "allow":
         if high_precision:
             return float32("allow list, but precision=HIGH/HIGHEST asked for float32")
+        if backward and low_cotangent:
+            return allow(
+                f"allow list: operands in {low}, float32 accumulation; the "
+                f"gradient of a {low} activation stays {low}"
+            )
         if backward and traced_out is not None:
             return allow(
                 f"allow list: operands in {low}, float32 accumulation; a backward "
@@ -367,6 +389,16 @@ def decide(
             )
         return allow(f"allow list: lowered to {low}")
     if op_class == "deny":
+        if CROSS_DEVICE_SUM in flags and reduce is not None and reduce != _F32:
+            back = _widest(anchors)
+            return Decision(
+                Precision.LOW,
+                reduce,
+                op_class,
+                f"cross-device sum: in the policy's reduce dtype {reduce}, "
+                f"the result back in {back}",
+                out_dtype=back if back != reduce else None,
+            )
         if NARROW_RANGE not in flags or not has_float32_range(low):
             return float32("deny list: float32")
         if all(d == low for d in anchors):
@@ -514,6 +546,7 @@ class Region(Protocol):
     float32: bool
     composite: str
     backward: bool
+    partners: dict[Any, np.dtype]
 
     def producer(self, var: Any) -> JaxprEqn | None:
         """The equation that computed ``var`` in the jaxpr being walked."""
@@ -754,6 +787,8 @@ def decide_eqn(
         backward=region.backward,
         high_precision=_asks_high_precision(eqn),
         traced_out=float_dtype(out_aval) if op_class == "allow" else None,
+        low_cotangent=op_class == "allow" and _low_cotangent(region, eqn),
+        reduce=cfg.policy.reduce_dtype,
         **_float8_args(cfg, eqn, spec, op_class, marks, out_shape),
     )
     if (
@@ -782,6 +817,67 @@ def decide_eqn(
         )
         return dataclasses.replace(d, reason=f"mul of {what}: {d.reason}")
     return d
+
+
+def _low_cotangent(region: Region, eqn: JaxprEqn) -> bool:
+    """Whether a backward product computes the gradient of an operand that its
+    forward product received in a 16-bit dtype (an activation).
+
+    Of its operands, one is a residual: an operand of a forward product, whose
+    partner there is the operand this computes the gradient of
+    (:func:`~mixprec._src.autocast.interpreter._note_partners`); the other is
+    a cotangent, computed in the backward pass.
+    """
+    if not region.backward or len(eqn.invars) < 2:
+        return False
+    known = [
+        region.partners[v]
+        for v in eqn.invars[:2]
+        if not isinstance(v, Literal) and v in region.partners
+    ]
+    return len(known) == 1 and known[0] in _HALF
+
+
+def decide_attention(
+    region: Region, pattern: str, operand_dtypes: Sequence[Any]
+) -> Decision | None:
+    """Whether a recognised attention (:mod:`~mixprec._src.autocast.attention`)
+    runs as one fused kernel, and in which dtype; ``None``: its equations run
+    one by one as usual.
+
+    It is fused where its matmuls would run in a 16-bit dtype: the default
+    modes, outside ``float32_scope``, in a forward pass, with float32 or
+    16-bit operands, and not under a float8 recipe (whose matmuls have their
+    own formulation).
+
+    Examples:
+        >>> import types
+        >>> from mixprec._src.autocast.config import make_config
+        >>> where = types.SimpleNamespace(config=make_config("mixed_bfloat16"),
+        ...     float32=False, composite="", backward=False, partners={})
+        >>> decide_attention(where, "q·kᵀ, softmax, ·v", [np.float32] * 3).dtype
+        dtype(bfloat16)
+    """
+    cfg = region.config
+    low = np.dtype(cfg.low_dtype)
+    if (
+        region.float32
+        or region.composite
+        or region.backward
+        or cfg.mode not in ("allow_mix_precision", "allow_mix_precision_bf16")
+        or low not in _HALF
+        or cfg.policy.float8 is not None
+        or any(np.dtype(d) not in (_F32, low) for d in operand_dtypes)
+    ):
+        return None
+    return Decision(
+        Precision.LOW,
+        low,
+        "allow",
+        f"attention ({pattern}): one fused kernel in {low} where the platform "
+        "has one (cuDNN on a GPU), softmax statistics in float32 inside it; "
+        "elsewhere its ops run one by one",
+    )
 
 
 def decide_epilogue(

@@ -455,15 +455,21 @@ class _Plan(NamedTuple):
     low: np.dtype
     cpu: str  # "native", "emulated" or "upcast": the CPU formulation
     f32_out: bool  # the caller keeps a float32 result: accumulate in float32
+    # The dtype the GEMM writes its result in, when the communication policy
+    # says (its gradient reduction dtype); None: the formulation's own.
+    emit: np.dtype | None = None
+    # The dtype the backward GEMMs write a float32 operand's cotangent in
+    # (the gradient of a parameter); None: float32.
+    reduce: np.dtype | None = None
 
 
 def _cpu_forward(plan: _Plan, lhs_l: jax.Array, rhs_l: jax.Array) -> jax.Array:
     """The float32 product of rounded operands on CPU."""
     if plan.cpu == "emulated":
-        return _rounded_f32_dot(lhs_l, rhs_l, plan.dn, plan.precision)
+        return _rounded_f32_dot(lhs_l, rhs_l, plan.dn, plan.precision, plan.emit)
     return _canonical_dot(
-        lhs_l, rhs_l, plan.dn, plan.precision, _F32, plan.cpu == "native"
-    )
+        lhs_l, rhs_l, plan.dn, plan.precision, plan.emit or _F32, plan.cpu == "native"
+    ).astype(_F32)
 
 
 def _accelerator_forward(plan: _Plan, lhs_l: jax.Array, rhs_l: jax.Array) -> jax.Array:
@@ -475,9 +481,15 @@ def _accelerator_forward(plan: _Plan, lhs_l: jax.Array, rhs_l: jax.Array) -> jax
         rhs_l,
         plan.dn,
         precision=plan.precision,
-        preferred_element_type=_F32 if plan.f32_out else None,
+        preferred_element_type=_accelerator_emit(plan),
     )
     return out.astype(_F32)
+
+
+def _accelerator_emit(plan: _Plan) -> np.dtype | None:
+    if plan.emit is not None:
+        return plan.emit
+    return _F32 if plan.f32_out else None
 
 
 def _forward(plan: _Plan, platform: str | None, lhs: Any, rhs: Any) -> jax.Array:
@@ -491,12 +503,21 @@ def _forward(plan: _Plan, platform: str | None, lhs: Any, rhs: Any) -> jax.Array
 
 
 def _rounded_f32_dot(
-    lhs_l: jax.Array, rhs_l: jax.Array, dn: _DimNums, precision: Any
+    lhs_l: jax.Array,
+    rhs_l: jax.Array,
+    dn: _DimNums,
+    precision: Any,
+    emit: np.dtype | None = None,
 ) -> jax.Array:
-    """The product of low-precision operands as one float32 ``dot_general``."""
+    """The product of low-precision operands as one float32 ``dot_general``
+    (its result written in ``emit`` when given), in float32."""
     return lax.dot_general(
-        lhs_l.astype(_F32), rhs_l.astype(_F32), dn, precision=precision
-    )
+        lhs_l.astype(_F32),
+        rhs_l.astype(_F32),
+        dn,
+        precision=precision,
+        preferred_element_type=emit,
+    ).astype(_F32)
 
 
 def _saved(x: jax.Array, x_low: jax.Array, alive: bool) -> jax.Array:
@@ -514,6 +535,15 @@ def _saved(x: jax.Array, x_low: jax.Array, alive: bool) -> jax.Array:
 
 # An operand's (ndim, dtype): static, for the cotangent it gets back.
 _Meta = tuple[int, np.dtype]
+
+
+def _cotangent_dtype(plan: _Plan, dtype: np.dtype) -> np.dtype:
+    """The dtype a backward GEMM writes an operand's cotangent in: a float32
+    operand's (a parameter's gradient) in the policy's reduce dtype, where a
+    partitioner reduces it across devices; others in their own dtype."""
+    if plan.reduce is not None and np.dtype(dtype).itemsize >= 4:
+        return plan.reduce
+    return np.dtype(dtype)
 
 
 def _cotangents(
@@ -537,12 +567,14 @@ def _cotangents(
     d_lhs = d_rhs = None
     if kept_rhs is not None:
         d_lhs = contract(
-            g, out_labels, kept_rhs.astype(cast), rhs_labels, lhs_labels, lhs_dtype
-        ).astype(lhs_dtype)
+            g, out_labels, kept_rhs.astype(cast), rhs_labels, lhs_labels,
+            _cotangent_dtype(plan, lhs_dtype),
+        ).astype(lhs_dtype)  # fmt: skip
     if kept_lhs is not None:
         d_rhs = contract(
-            g, out_labels, kept_lhs.astype(cast), lhs_labels, rhs_labels, rhs_dtype
-        ).astype(rhs_dtype)
+            g, out_labels, kept_lhs.astype(cast), lhs_labels, rhs_labels,
+            _cotangent_dtype(plan, rhs_dtype),
+        ).astype(rhs_dtype)  # fmt: skip
     return d_lhs, d_rhs
 
 
@@ -556,10 +588,12 @@ def _cpu_backward(plan, lhs_meta, rhs_meta, g, kept_lhs, kept_rhs):
     native = plan.cpu == "native"
 
     def contract(a, a_labels, b, b_labels, out_labels, out_dtype):
-        del out_dtype
+        # float32 accumulators, written narrower only for a parameter's
+        # gradient under a narrower reduce dtype.
+        acc = out_dtype if out_dtype == plan.reduce else _F32
         return _contract(
-            a, a_labels, b, b_labels, out_labels, plan.precision, _F32, native
-        )
+            a, a_labels, b, b_labels, out_labels, plan.precision, acc, native
+        ).astype(_F32)
 
     return _cotangents(
         plan, g, kept_lhs, kept_rhs, lhs_meta, rhs_meta,
@@ -572,11 +606,11 @@ def _accelerator_backward(plan, lhs_meta, rhs_meta, g, kept_lhs, kept_rhs):
     # out of the GEMM in float32 (accumulated there, never rounded to 16
     # bits); one for a 16-bit operand (an activation) in 16 bits.
     def contract(a, a_labels, b, b_labels, out_labels, out_dtype):
-        wide = np.dtype(out_dtype).itemsize >= 4
+        out_dtype = np.dtype(out_dtype)
+        preferred = out_dtype if out_dtype != plan.low else None
         return labeled_dot(
-            a, a_labels, b, b_labels, out_labels, plan.precision,
-            _F32 if wide else None,
-        )  # fmt: skip
+            a, a_labels, b, b_labels, out_labels, plan.precision, preferred
+        )
 
     return _cotangents(
         plan, g, kept_lhs, kept_rhs, lhs_meta, rhs_meta,
@@ -758,6 +792,8 @@ def dot_general(
     platform: str | None = None,
     cpu_bf16: str | None = None,
     alive: tuple[bool, bool] = (False, False),
+    reduce_dtype: DTypeLike | None = None,
+    gradient: bool = False,
 ) -> jax.Array:
     """A ``lax.dot_general`` with inputs rounded to ``low_dtype``, in ``out_dtype``.
 
@@ -795,6 +831,15 @@ def dot_general(
       alive: per operand, whether it stays alive for the whole call anyway
         (an input of the transformed function), so that the backward pass
         keeps it as it is rather than in a 16-bit copy.
+      reduce_dtype: the dtype gradients are reduced in (the policy's): the
+        backward products write a float32 operand's cotangent (a parameter's
+        gradient) in it, and with ``gradient=True`` this product writes its
+        own result in it. A partitioner sums a product's partial results
+        across devices (the gradient of sharded data, a row-parallel layer)
+        in the dtype its GEMM writes. ``None``: the formulation's own
+        (float32 on CPU, the low dtype elsewhere unless ``out_dtype`` is
+        float32).
+      gradient: this product computes a gradient in a backward pass.
 
     Returns:
       The product, with dtype ``out_dtype``.
@@ -821,6 +866,8 @@ def dot_general(
         platform=platform,
         cpu_bf16=cpu_bf16,
         alive=alive,
+        reduce_dtype=reduce_dtype,
+        gradient=gradient,
     ).astype(out_dtype)
 
 
@@ -837,6 +884,8 @@ def wide_dot_general(
     platform: str | None = None,
     cpu_bf16: str | None = None,
     alive: tuple[bool, bool] = (False, False),
+    reduce_dtype: DTypeLike | None = None,
+    gradient: bool = False,
 ) -> jax.Array:
     """:func:`dot_general` before its result is rounded to ``out_dtype``.
 
@@ -864,7 +913,10 @@ def wide_dot_general(
         )
     plat = canonical_platform(platform)
     kind = _cpu_kind(low, cpu_bf16)
-    plan = _Plan(dn, precision, low, kind, out == _F32)
+    reduce = None if reduce_dtype is None else np.dtype(reduce_dtype)
+    plan = _Plan(
+        dn, precision, low, kind, out == _F32, reduce if gradient else None, reduce
+    )
     if explicitly_sharded(out_sharding, lhs, rhs):
         # Explicit sharding: the reshapes of the canonical layout and the
         # custom backward would need output shardings of their own, so keep
@@ -891,9 +943,9 @@ def _explicit_cpu(plan: _Plan, out_sharding: Any, lhs: Any, rhs: Any) -> jax.Arr
         rhs_l,
         plan.dn,
         precision=plan.precision,
-        preferred_element_type=_F32,
+        preferred_element_type=plan.emit or _F32,
         out_sharding=out_sharding if _constrains(out_sharding) else None,
-    )
+    ).astype(_F32)
 
 
 def _explicit_accelerator(
@@ -905,7 +957,7 @@ def _explicit_accelerator(
         rhs.astype(plan.low),
         plan.dn,
         precision=plan.precision,
-        preferred_element_type=_F32 if plan.f32_out else None,
+        preferred_element_type=_accelerator_emit(plan),
         out_sharding=out_sharding if _constrains(out_sharding) else None,
     )
     return res.astype(_F32)
@@ -1114,6 +1166,8 @@ def dot_general_product(
     platform: str | None,
     cpu_bf16: str | None,
     alive: tuple[bool, bool],
+    reduce_dtype: np.dtype | None = None,
+    gradient: bool = False,
 ) -> jax.Array:
     """A ``dot_general`` equation (``params``) run in 16 bits: the float32
     product of :func:`wide_dot_general`."""
@@ -1130,6 +1184,8 @@ def dot_general_product(
         platform=platform,
         cpu_bf16=cpu_bf16,
         alive=alive,
+        reduce_dtype=reduce_dtype,
+        gradient=gradient,
     )
 
 
@@ -1145,11 +1201,13 @@ def conv_product(
     platform: str | None,
     cpu_bf16: str | None,
     alive: tuple[bool, bool],
+    reduce_dtype: np.dtype | None = None,
+    gradient: bool = False,
 ) -> jax.Array:
     """A ``conv_general_dilated`` equation (``params``) run in 16 bits, in
     float32: accumulated in float32 on CPU, the 16-bit result widened elsewhere
     (JAX's own derivative rules, in both modes)."""
-    del extra, out_dtype, custom_vjp, cpu_bf16, alive
+    del extra, out_dtype, custom_vjp, cpu_bf16, alive, reduce_dtype, gradient
     return conv_general_dilated(
         lhs, rhs, low_dtype=low_dtype, out_dtype=_F32, platform=platform, **params
     )
@@ -1198,12 +1256,14 @@ def ragged_dot_product(
     platform: str | None,
     cpu_bf16: str | None,
     alive: tuple[bool, bool],
+    reduce_dtype: np.dtype | None = None,
+    gradient: bool = False,
 ) -> jax.Array:
     """A ``ragged_dot_general`` equation run in 16 bits, in float32: operands
     rounded to ``low_dtype``, accumulated in float32 on CPU (XLA:CPU has no
     16-bit grouped-matmul kernel), ``low x low -> low`` elsewhere (float32 when
     the caller keeps a float32 result); JAX's derivative rules."""
-    del custom_vjp, cpu_bf16, alive
+    del custom_vjp, cpu_bf16, alive, reduce_dtype, gradient
     (group_sizes,) = extra
     kw = {k: v for k, v in params.items() if k != "preferred_element_type"}
     if kw.get("out_sharding") is None:

@@ -41,7 +41,7 @@ from jax.extend import source_info_util as siu
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal
 
 from mixprec._src import _compat
-from mixprec._src.autocast import ops, regions
+from mixprec._src.autocast import attention, ops, regions
 from mixprec._src.autocast.avals import aval_dtype, aval_shape, float_dtype, same_shape
 from mixprec._src.autocast.config import CastConfig
 from mixprec._src.autocast.decide import (
@@ -53,11 +53,13 @@ from mixprec._src.autocast.decide import (
     STAT,
     Decision,
     Precision,
+    decide_attention,
     decide_epilogue,
     decide_eqn,
     literal_mark,
     out_marks,
 )
+from mixprec._src.autocast.platforms import per_platform
 
 
 __all__ = [
@@ -116,6 +118,7 @@ class Walk:
 
     __slots__ = (
         "backward",
+        "casts",
         "composite",
         "config",
         "current",
@@ -123,6 +126,7 @@ class Walk:
         "float32_lines",
         "observer",
         "parent_source",
+        "partners",
         "path",
         "producers",
         "values",
@@ -172,6 +176,10 @@ class Walk:
         # converted (`jnp.full(shape, finfo.min)`), by outvar: a cast of one
         # saturates that scalar instead of emitting a clamp.
         self.scalars: dict[Any, Any] = {}
+        # Per operand of a forward product of this jaxpr, the dtype the other
+        # operand ran in: a backward product whose residual is that operand
+        # computes the other one's gradient (see `decide.decide_eqn`).
+        self.partners: dict[Any, np.dtype] = {}
         # The equation that computed each variable of the jaxpr being walked
         # (for `decide.same_value`: a value computed twice is still one value).
         self.producers: dict[Any, JaxprEqn] = {}
@@ -181,6 +189,11 @@ class Walk:
         # small ones, to compute the constants made from them.
         self.ranges: dict[Any, tuple[float, float]] = {}
         self.values: dict[Any, Any] = {}
+        # Inputs of the function rounded for a product, by (id, dtype): one
+        # rounding per parameter, shared by its forward and backward products,
+        # so a sharded parameter is gathered once per step. The input is kept
+        # beside its rounding, so that its id stays its own.
+        self.casts: dict[tuple[int, Any], tuple[Any, Any]] = {}
 
     def constant_range(self, var: Any) -> tuple[float, float] | None:
         """``(largest finite, smallest non-zero)`` magnitude of a constant
@@ -595,6 +608,8 @@ def run_eqn(
             fused = True
     ctx = CastContext(walk.config, eqn, decision, walk, marks, [], fused)
     outs = _run_rule(spec, prim, ctx, invals)
+    if spec is not None and spec.product is not None and not walk.backward:
+        _note_partners(walk, eqn, decision, invals)
     if walk.observer is not None:
         plain = walk.probe()
 
@@ -659,24 +674,148 @@ def eval_jaxpr(
         mk[v] = m
     for v, x in zip(jaxpr.invars, known, strict=False):
         _note_constant(walk, v, x)
-    for eqn in jaxpr.eqns:
-        invals = [v.val if type(v) is Literal else env[v] for v in eqn.invars]
-        inmarks = [literal_mark() if type(v) is Literal else mk[v] for v in eqn.invars]
-        w = walk.for_eqn(eqn)
-        if w is not walk:
-            w.wide, w.scalars, w.producers = walk.wide, walk.scalars, walk.producers
-            w.ranges, w.values = walk.ranges, walk.values
-        with _eqn_context(eqn):
-            outs, outmarks = run_eqn(w, eqn, invals, inmarks)
-        for v, x, m in zip(eqn.outvars, outs, outmarks, strict=True):
-            env[v] = x
-            mk[v] = m
-            walk.producers[v] = eqn
-        _note_scalar(walk, eqn, inmarks)
-        _fold_constant(walk, eqn, inmarks)
+    # A recognised attention runs as one unit when its last equation is
+    # reached (its inputs are all computed by then); its other equations wait.
+    open_jaxpr: Jaxpr = jaxpr  # type: ignore[assignment]
+    fusable = _attentions(walk, open_jaxpr, consts)
+    skip = {i for m in fusable.values() for i in m.region if i != m.anchor}
+    for index, eqn in enumerate(jaxpr.eqns):
+        if index in skip:
+            continue
+        match = fusable.get(index)
+        if match is None:
+            _step(walk, eqn, env, mk)
+        elif not _run_attention(walk, open_jaxpr, match, env, mk):
+            for i in sorted(match.region):
+                _step(walk, jaxpr.eqns[i], env, mk)
     outs = [v.val if type(v) is Literal else env[v] for v in jaxpr.outvars]
     outmarks = [literal_mark() if type(v) is Literal else mk[v] for v in jaxpr.outvars]
     return outs, outmarks
+
+
+def _step(walk: Walk, eqn: JaxprEqn, env: dict[Any, Any], mk: dict[Any, int]) -> None:
+    """Runs one equation of a jaxpr being evaluated, in ``env``."""
+    invals = [v.val if type(v) is Literal else env[v] for v in eqn.invars]
+    inmarks = [literal_mark() if type(v) is Literal else mk[v] for v in eqn.invars]
+    w = walk.for_eqn(eqn)
+    if w is not walk:
+        _share_tables(walk, w)
+    with _eqn_context(eqn):
+        outs, outmarks = run_eqn(w, eqn, invals, inmarks)
+    for v, x, m in zip(eqn.outvars, outs, outmarks, strict=True):
+        env[v] = x
+        mk[v] = m
+        walk.producers[v] = eqn
+    _note_scalar(walk, eqn, inmarks)
+    _fold_constant(walk, eqn, inmarks)
+
+
+def _share_tables(walk: Walk, w: Walk) -> None:
+    """Gives the walk of one equation the tables of the jaxpr's walk."""
+    w.wide, w.scalars, w.partners = walk.wide, walk.scalars, walk.partners
+    w.producers, w.casts = walk.producers, walk.casts
+    w.ranges, w.values = walk.ranges, walk.values
+
+
+def _attentions(
+    walk: Walk, jaxpr: Jaxpr, consts: Sequence[Any]
+) -> dict[int, attention.Match]:
+    """The attentions of ``jaxpr`` the walk may fuse (none for an observer
+    that compares op by op, such as ``diagnose``)."""
+    if not getattr(walk.observer, "fuses_attention", True):
+        return {}
+    return attention.find(jaxpr, consts)
+
+
+def _run_attention(
+    walk: Walk,
+    jaxpr: Jaxpr,
+    match: attention.Match,
+    env: dict[Any, Any],
+    mk: dict[Any, int],
+) -> bool:
+    """Runs a recognised attention as one unit, if its decision says so:
+    fused per platform, the other platforms' formulation being its
+    equations run one by one. Returns whether it ran."""
+    values = [env[v] for v in match.inputs]
+    w = walk.for_eqn(jaxpr.eqns[match.first])
+    if w is not walk:
+        _share_tables(walk, w)
+    dtypes = [float_dtype(values[i[0]]) or _F32 for i in (match.q, match.k, match.v)]
+    decision = decide_attention(w, match.pattern, dtypes)
+    if decision is None:
+        return False
+    marks = [mk[v] for v in match.inputs]
+    out_var = jaxpr.eqns[match.anchor].outvars[0]
+    low = np.dtype(decision.dtype)
+    region = [jaxpr.eqns[i] for i in sorted(match.region)]
+    plain = w.probe()
+
+    def unfused(*vals: Any) -> Any:
+        local = dict(zip(match.inputs, vals, strict=True))
+        lmk = dict(zip(match.inputs, marks, strict=True))
+        for eqn in region:
+            invals = [v.val if type(v) is Literal else local[v] for v in eqn.invars]
+            inmarks = [
+                literal_mark() if type(v) is Literal else lmk[v] for v in eqn.invars
+            ]
+            with _eqn_context(eqn):
+                outs, outmarks = run_eqn(plain.for_eqn(eqn), eqn, invals, inmarks)
+            for v, x, m in zip(eqn.outvars, outs, outmarks, strict=True):
+                local[v], lmk[v] = x, m
+        return cast(local[out_var], low)
+
+    def cudnn(*vals: Any) -> Any:
+        try:
+            return attention.fused(match, vals, low, aval_shape(out_var))
+        except Exception:  # noqa: BLE001  (no cuDNN here, or shapes it refuses)
+            return unfused(*vals)
+
+    with _eqn_context(jaxpr.eqns[match.first]):
+        out = per_platform(
+            tuple(values), platform=w.config.platform, default=unfused, cuda=cudnn
+        )
+    env[out_var] = out
+    mk[out_var] = 0
+    if walk.observer is not None:
+        rec = match.eqn
+
+        def rerun(vals: Sequence[Any]) -> list[Any]:
+            del vals
+            raise NotImplementedError("a fused attention is not rerun op by op")
+
+        walk.observer.on_eqn(
+            w, rec, decision, [low] * len(rec.invars),
+            [env[v] for v in rec.invars], [out], rerun,
+        )  # fmt: skip
+    return True
+
+
+def _note_partners(
+    walk: Walk, eqn: JaxprEqn, decision: Decision, invals: Sequence[Any]
+) -> None:
+    """Remembers, for each operand of a lowered forward product, the dtype the
+    other operand ran in (a float32 master weight, a 16-bit activation).
+
+    JAX's transpose of ``dot(x, w)`` is ``dot(g, w)`` (the gradient of ``x``)
+    and ``dot(x, g)`` (that of ``w``): the forward operand that a backward
+    product keeps as its residual names whose gradient it computes, the
+    other one's. An operand seen with partners of different dtypes gets the
+    widest.
+    """
+    if decision.precision not in (Precision.LOW, Precision.FLOAT8):
+        return
+    if len(eqn.invars) < 2:
+        return
+    a, b = eqn.invars[:2]
+    da, db = float_dtype(invals[0]), float_dtype(invals[1])
+    for var, partner in ((a, db), (b, da)):
+        if isinstance(var, Literal) or partner is None:
+            continue
+        seen = walk.partners.get(var)
+        if seen is not None and seen != partner:
+            partner = _F32
+        walk.partners[var] = partner
 
 
 #: The largest constant (in elements) whose value is computed while walking,

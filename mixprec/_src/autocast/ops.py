@@ -114,6 +114,8 @@ FLOAT8: Final = "float8"
 STATISTIC: Final = "statistic"
 EPILOGUE: Final = "epilogue"
 FILL: Final = "fill"
+#: A sum across devices: it runs in the policy's ``reduce_dtype``.
+CROSS_DEVICE_SUM: Final = "cross_device_sum"
 FLAGS: Final = frozenset(
     {
         OPAQUE,
@@ -125,6 +127,7 @@ FLAGS: Final = frozenset(
         STATISTIC,
         EPILOGUE,
         FILL,
+        CROSS_DEVICE_SUM,
     }
 )
 
@@ -601,9 +604,10 @@ def_deny(
 )
 def_deny(
     ["psum", "psum_invariant", "unreduced_psum", "reduce_scatter"],
-    "cross-device sum: accumulates like reduce_sum, so float32 (a bf16 pmean of "
-    "1.2 over 8 devices gave 1.203); gradient all-reduces in the backward pass "
-    "are JAX's transposes and are not affected",
+    "cross-device sum: runs in the policy's reduce_dtype, float32 by default (it "
+    "accumulates like reduce_sum: a bf16 pmean of 1.2 over 8 devices gave 1.203); "
+    "the result comes back in the dtype its operand arrived in",
+    flags=[CROSS_DEVICE_SUM],
 )
 
 # ----------------------------------------------------------------------- infer

@@ -623,7 +623,13 @@ class _Comparer:
     higher-order equations itself (:meth:`run_higher_order`): call bodies are
     walked in place, loops stepped and branches taken on concrete values,
     anything else compared as a whole. Statistics accumulate per op site.
+
+    It compares op by op, so the walk does not fuse attention for it
+    (``fuses_attention``): on the CPU that ``diagnose`` runs on, the fused
+    formulation is those same ops.
     """
+
+    fuses_attention = False
 
     def __init__(self, *, max_loop_steps: int) -> None:
         self.max_loop_steps = max_loop_steps

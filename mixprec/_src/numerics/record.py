@@ -21,7 +21,7 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from mixprec._src import _compat
-from mixprec._src.autocast import ops
+from mixprec._src.autocast import attention, ops
 
 
 __all__ = [
@@ -177,6 +177,8 @@ def eqn_flops(eqn: jex_core.JaxprEqn) -> int:
         [('dot_general', 128), ('tanh', 16), ('reshape', 0)]
     """
     name = eqn.primitive.name
+    if eqn.primitive is attention.ATTENTION_P:  # a fused attention: its matmuls
+        return int(eqn.params["flops"])
     out_size = sum(_size(_shape(v)) for v in eqn.outvars)
     dims = product_dims(eqn)
     if dims is not None:

@@ -20,7 +20,7 @@ from jax import lax
 
 from mixprec._src.autocast import interpreter as itp, ops
 from mixprec._src.autocast.avals import float_dtype
-from mixprec._src.autocast.decide import CONST, INPUT, Precision
+from mixprec._src.autocast.decide import CONST, GRAD, INPUT, Precision
 from mixprec._src.autocast.interpreter import CastContext
 
 
@@ -53,6 +53,57 @@ def _saturated(ctx: CastContext, vals: tuple[Any, ...], low: np.dtype) -> list[A
             x = itp.clip_to_range(x, low)
         out.append(x)
     return out
+
+
+def _reduce_dtype(
+    ctx: CastContext, vals: tuple[Any, ...], out: np.dtype
+) -> tuple[np.dtype | None, bool]:
+    """The policy's gradient reduction dtype for this product, and whether the
+    product computes a gradient (then its GEMM writes its result in it).
+
+    Under a partitioner the all-reduce (or reduce-scatter) of a gradient
+    lands on the GEMM that computes it, in the dtype that GEMM writes:
+
+    * a product of the backward pass whose result is a float32 gradient (a
+      train step under autocast: the weight gradient ``x^T g``);
+    * the backward products of a product that reads a float32 input of the
+      function (a parameter), when the loss under autocast is differentiated
+      outside: they write the parameter's gradient in it.
+    """
+    reduce = ctx.config.policy.reduce_dtype
+    marks = ctx.marks[: len(vals)]
+    backward = ctx.walk.backward or any(m & GRAD for m in marks)
+    if backward and np.dtype(out) == _F32:
+        return reduce, True
+    for x, m in zip(vals, marks, strict=True):
+        if m & INPUT and not m & CONST and float_dtype(x) == _F32:
+            return reduce, False
+    return None, False
+
+
+def _rounded_input(ctx: CastContext, x: Any, mark: int, low: np.dtype) -> Any:
+    """An input of the function (a parameter) rounded to ``low`` once per walk.
+
+    The forward product and the backward products that read one parameter
+    share its rounding: one ``convert`` in the program, so that under a
+    sharded parameter (FSDP) the partitioner gathers it once, in ``low``, and
+    the backward pass reuses the gathered copy (as hand-written 16-bit code
+    does). A policy whose gather dtype is wider than ``low`` leaves the
+    rounding to each product (after the gather).
+    """
+    dt = float_dtype(x)
+    if not mark & INPUT or mark & CONST or dt is None or dt.itemsize <= low.itemsize:
+        return x
+    if ctx.config.policy.gather_dtype is not None or ctx.config.custom_vjp_dots:
+        # The custom_vjp formulation keeps a float32 weight for its backward
+        # products and returns its gradient from the GEMM in float32.
+        return x
+    key = (id(x), low)
+    hit = ctx.walk.casts.get(key)
+    if hit is None or hit[0] is not x:
+        hit = (x, lax.convert_element_type(x, low))
+        ctx.walk.casts[key] = hit
+    return hit[1]
 
 
 def _note_formulation(
@@ -100,6 +151,11 @@ def _product_rule(
     if low is None:
         return itp.default_rule(ctx.eqn.primitive, ctx, lhs, rhs, *extra, **params)
     lhs, rhs = _saturated(ctx, (lhs, rhs), low)
+    reduce, gradient = _reduce_dtype(ctx, (lhs, rhs), d.out_dtype or low)
+    lhs, rhs = (
+        _rounded_input(ctx, x, m, low)
+        for x, m in zip((lhs, rhs), ctx.marks[:2], strict=True)
+    )
     out_dtype = d.out_dtype or low
     wide = product.low(
         lhs,
@@ -112,6 +168,8 @@ def _product_rule(
         platform=ctx.platform,
         cpu_bf16=ctx.config.cpu_bf16,
         alive=(bool(ctx.marks[0] & INPUT), bool(ctx.marks[1] & INPUT)),
+        reduce_dtype=reduce,
+        gradient=gradient,
     )
     _note_formulation(ctx, product, low)
     return _rounded(ctx, product, wide, out_dtype)

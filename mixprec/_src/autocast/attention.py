@@ -1,0 +1,777 @@
+"""Attention recognised in a jaxpr, and run as one fused kernel on a GPU.
+
+JAX has no attention primitive: ``jax.nn.dot_product_attention`` on float32
+inputs (JAX picks its XLA implementation at trace time) and attention written
+by hand (Flax's ``MultiHeadDotProductAttention``, Equinox's and Haiku's
+``MultiheadAttention``, the usual GPT) reach autocast as the same few
+equations: a ``dot_general`` of queries and keys, an optional scale, masks
+(``where`` with a very negative fill) and additive biases, a softmax written
+out (``reduce_max``, ``exp``, ``reduce_sum``, ``div``), and a ``dot_general``
+with the values. :func:`find` recognises that chain; the walker then runs it
+as one unit through :func:`fused`, formulated per platform
+(:func:`~mixprec._src.autocast.platforms.per_platform`):
+
+* **cuda**: ``jax.nn.dot_product_attention(..., implementation="cudnn")`` on
+  16-bit queries, keys and values (cuDNN's flash attention keeps its softmax
+  statistics in float32, and has its own derivative). A causal mask that is a
+  constant ``tril`` becomes ``is_causal=True``; other masks and biases are
+  passed as they are. JAX asks cuDNN for its version when it traces the call;
+  where that fails (no cuDNN on the host that traces, or shapes cuDNN refuses,
+  such as a head dimension that is not a multiple of 8) the branch keeps the
+  other platforms' formulation.
+* **every other platform**: the equations as autocast runs them one by one
+  today (the result is the same bits as without recognition).
+
+The chain is recognised only where it is provably attention: each
+intermediate value has no other use, the softmax normalises over the keys'
+axis of the scores, the scale is a constant scalar, a mask fills with a
+value below ``-1e7`` (after scaling) and the values are contracted over that
+same axis. Dropout on the weights, a softmax over another axis, a per-head
+scale array, or any other normalisation is left alone.
+
+Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> def attn(q, k, v):
+    ...     s = jnp.einsum("bthd,bshd->bhts", q, k) / 8.0
+    ...     return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, axis=-1), v)
+    >>> x = jnp.ones((2, 16, 4, 64))
+    >>> jaxpr = jax.make_jaxpr(attn)(x, x, x)
+    >>> [m.pattern for m in find(jaxpr.jaxpr, jaxpr.consts).values()]
+    ['scaled q·kᵀ, softmax, ·v']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Jaxpr, JaxprEqn, Literal, Primitive, new_jaxpr_eqn
+
+from mixprec._src import _compat
+
+
+__all__ = ["ATTENTION_P", "Match", "find", "fused"]
+
+#: The primitive a fused attention is reported as (never bound).
+ATTENTION_P = Primitive("dot_product_attention")
+
+# A fill below this (after scaling) gives an exactly zero weight in float32.
+_FILL_MAX = -1e7
+# What the cuda formulation asks `jax.nn.dot_product_attention` for (tests
+# run the fused formulation on a CPU with "xla").
+_IMPLEMENTATION: Any = "cudnn"
+_VIEWS = frozenset(
+    {"transpose", "reshape", "broadcast_in_dim", "squeeze", "expand_dims", "copy"}
+)
+Label = Any  # ("b", i) | "A" | "B" | "H" | None (a unit axis)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Step:
+    """A mask or bias applied to the scores: the top-level equation, which of
+    its operands carries the scores, their labels there, and the scale still
+    to be applied after it."""
+
+    kind: str  # "mask" | "bias"
+    eqn: JaxprEqn
+    operand: int
+    labels: tuple[Label, ...]
+    factor: float
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Raw:
+    """A mask or bias as found: the scale reached before it, a mask's fill."""
+
+    kind: str
+    eqn: JaxprEqn
+    operand: int
+    labels: tuple[Label, ...]
+    scale: float
+    fill: float | None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Match:
+    """A recognised attention: which equations, and how to run them fused.
+
+    Attributes:
+        first: index of the scores ``dot_general`` in the jaxpr.
+        anchor: index of the ``dot_general`` with the values (the result).
+        region: indices of every equation the fused kernel replaces.
+        inputs: the values the region reads from outside it.
+        q, k, v: positions of the queries, keys and values in ``inputs``, with
+            per array the axes of its batch labels, its sequence and its head.
+        out_labels: the labels of the result's axes.
+        scale: the constant the scores are multiplied by.
+        steps: masks and biases (in order).
+        causal: the masks are exactly a causal ``tril`` (constant).
+        pattern: what was recognised, for reports.
+        eqn: an equation that stands for the whole region in reports.
+    """
+
+    first: int
+    anchor: int
+    region: frozenset[int]
+    inputs: tuple[Any, ...]
+    q: tuple[int, tuple[int, ...], int, int]
+    k: tuple[int, tuple[int, ...], int, int]
+    v: tuple[int, tuple[int, ...], int, int]
+    batch: tuple[int, ...]
+    query: str
+    out_labels: tuple[Label, ...]
+    scale: float
+    steps: tuple[_Step, ...]
+    causal: bool
+    pattern: str
+    eqn: JaxprEqn
+
+
+# ----------------------------------------------------------------- recognition
+
+
+class _Fail(Exception):
+    pass
+
+
+def _users(jaxpr: Jaxpr) -> dict[Any, list[int]]:
+    users: dict[Any, list[int]] = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        for v in eqn.invars:
+            if not isinstance(v, Literal):
+                users.setdefault(v, []).append(i)
+    for v in jaxpr.outvars:
+        if not isinstance(v, Literal):
+            users.setdefault(v, []).append(-1)
+    return users
+
+
+def _shape(v: Any) -> tuple[int, ...]:
+    return tuple(getattr(v.aval, "shape", ()))
+
+
+def _is_f32(v: Any) -> bool:
+    return getattr(v.aval, "dtype", None) == np.dtype(np.float32)
+
+
+def _view_labels(eqn: JaxprEqn, labels: tuple[Label, ...]) -> tuple[Label, ...]:
+    """The labels of a view's result, or ``_Fail`` if it moves data between
+    labelled axes (only transposes and unit-axis changes are views here)."""
+    name = eqn.primitive.name
+    src, out = _shape(eqn.invars[0]), _shape(eqn.outvars[0])
+    if name == "transpose":
+        return tuple(labels[p] for p in eqn.params["permutation"])
+    if name == "copy":
+        return labels
+    if name == "broadcast_in_dim":
+        if math.prod(src) != math.prod(out):
+            raise _Fail
+        res: list[Label] = [None] * len(out)
+        for j, d in enumerate(eqn.params["broadcast_dimensions"]):
+            res[d] = labels[j]
+        return tuple(res)
+    # reshape, squeeze, expand_dims: unit axes added or removed only.
+    kept = [lab for lab, n in zip(labels, src, strict=True) if n != 1]
+    if [n for n in src if n != 1] != [n for n in out if n != 1]:
+        raise _Fail
+    it = iter(kept)
+    return tuple(next(it) if n != 1 else None for n in out)
+
+
+def _scalar_literal(jaxpr: Jaxpr, v: Any) -> float | None:
+    """The value of a scalar literal, possibly broadcast or converted."""
+    if isinstance(v, Literal):
+        return float(np.asarray(v.val)) if np.ndim(v.val) == 0 else None
+    eqn = _producers(jaxpr).get(v)
+    if eqn is not None and eqn.primitive.name in (
+        "broadcast_in_dim",
+        "convert_element_type",
+    ):
+        return _scalar_literal(jaxpr, eqn.invars[0])
+    return None
+
+
+_producer_maps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _producers(jaxpr: Jaxpr) -> dict[Any, JaxprEqn]:
+    """The equation that computes each variable of ``jaxpr``."""
+    try:
+        found = _producer_maps.get(jaxpr)
+    except TypeError:
+        found = None
+    if found is None:
+        found = {o: e for e in jaxpr.eqns for o in e.outvars}
+        try:
+            _producer_maps[jaxpr] = found
+        except TypeError:
+            pass
+    return found
+
+
+def _only_user(users: dict[Any, list[int]], v: Any) -> int:
+    us = users.get(v, [])
+    if len(us) != 1 or us[0] < 0:
+        raise _Fail
+    return us[0]
+
+
+def _follow_views(
+    jaxpr: Jaxpr,
+    users: dict[Any, list[int]],
+    v: Any,
+    labels: tuple[Label, ...],
+    region: set[int],
+) -> tuple[Any, tuple[Label, ...]]:
+    """Follows single-use views forward from ``v``."""
+    while True:
+        us = users.get(v, [])
+        if len(us) != 1 or us[0] < 0:
+            return v, labels
+        eqn = jaxpr.eqns[us[0]]
+        name = eqn.primitive.name
+        if name == "convert_element_type" and _is_f32(eqn.outvars[0]):
+            labels = labels
+        elif name not in _VIEWS:
+            return v, labels
+        else:
+            labels = _view_labels(eqn, labels)
+        region.add(us[0])
+        v = eqn.outvars[0]
+
+
+def _is_where_call(jaxpr: Jaxpr, eqn: JaxprEqn, operand: int) -> bool:
+    """Whether a ``jit`` is a ``where`` of the scores (``jnp.where``'s body:
+    views and one ``select_n``) with a condition and a scalar literal fill."""
+    inner = eqn.params.get("jaxpr")
+    if inner is None or len(eqn.outvars) != 1 or len(eqn.invars) != 3:
+        return False
+    body = getattr(inner, "jaxpr", inner)
+    names = [e.primitive.name for e in body.eqns]
+    allowed = _VIEWS | {"select_n", "ne", "convert_element_type"}
+    if names.count("select_n") != 1 or not set(names) <= allowed:
+        return False
+    others = [u for k, u in enumerate(eqn.invars) if k != operand]
+    return (
+        sum(not _shape(u) and _scalar_literal(jaxpr, u) is not None for u in others)
+        == 1
+    )
+
+
+def _scores_chain(
+    jaxpr: Jaxpr,
+    users: dict[Any, list[int]],
+    v: Any,
+    labels: tuple[Label, ...],
+    region: set[int],
+) -> tuple[Any, tuple[Label, ...], float, list[_Raw]]:
+    """From the scores, through views, scales, masks and biases, to the input
+    of the softmax. Returns it, its labels, the scale and the steps with the
+    scale reached at each."""
+    scale = 1.0
+    steps: list[_Raw] = []
+    while True:
+        v, labels = _follow_views(jaxpr, users, v, labels, region)
+        us = users.get(v, [])
+        if len(us) != 1 or us[0] < 0:
+            return v, labels, scale, steps
+        i = us[0]
+        eqn = jaxpr.eqns[i]
+        name = eqn.primitive.name
+        pos = list(eqn.invars).index(v)
+        others = [u for j, u in enumerate(eqn.invars) if j != pos]
+        if name in ("mul", "div") and len(others) == 1:
+            c = _scalar_literal(jaxpr, others[0])
+            if c is None or c == 0 or (name == "div" and pos != 0):
+                return v, labels, scale, steps
+            scale = scale * c if name == "mul" else scale / c
+        elif name == "add" and len(others) == 1 and _shape(eqn.outvars[0]) == _shape(v):
+            steps.append(_Raw("bias", eqn, pos, labels, scale, None))
+        elif name == "select_n" and pos in (1, 2):
+            fill = _scalar_literal(jaxpr, eqn.invars[3 - pos])
+            if fill is None:
+                raise _Fail
+            steps.append(_Raw("mask", eqn, pos, labels, scale, fill))
+        elif name in ("jit", "pjit") and _is_where_call(jaxpr, eqn, pos):
+            fills = [
+                _scalar_literal(jaxpr, u)
+                for j, u in enumerate(eqn.invars)
+                if j != pos and not _shape(u)
+            ]
+            if len(fills) != 1 or fills[0] is None:
+                raise _Fail
+            if _shape(eqn.outvars[0]) != _shape(v):
+                out_labels = _where_labels(eqn, pos, labels)
+            else:
+                out_labels = labels
+            steps.append(_Raw("mask", eqn, pos, labels, scale, fills[0]))
+            labels = out_labels
+        else:
+            return v, labels, scale, steps
+        region.add(i)
+        v = eqn.outvars[0]
+
+
+def _where_labels(eqn: JaxprEqn, pos: int, labels: tuple[Label, ...]) -> tuple:
+    """The labels of a ``where`` call's result, following its body's views."""
+    body = getattr(eqn.params["jaxpr"], "jaxpr", eqn.params["jaxpr"])
+    users = _users(body)
+    v, labs = _follow_views(body, users, body.invars[pos], labels, set())
+    sel = _only_user(users, v)
+    out = body.eqns[sel].outvars[0]
+    if body.outvars != [out] and list(body.outvars) != [out]:
+        raise _Fail
+    if _shape(out) != _shape(v):
+        raise _Fail
+    return labs
+
+
+def _stat_chain(
+    jaxpr: Jaxpr,
+    users: dict[Any, list[int]],
+    v: Any,
+    labels: tuple[Label, ...],
+    until: str,
+    region: set[int],
+) -> tuple[JaxprEqn, int, tuple[Label, ...]]:
+    """From a row statistic (a max or a sum) through ``max(-inf, .)``,
+    ``stop_gradient`` and views to the ``until`` equation that uses it.
+    Returns that equation, the operand position and the statistic's labels."""
+    while True:
+        i = _only_user(users, v)
+        eqn = jaxpr.eqns[i]
+        name = eqn.primitive.name
+        if name == until:
+            return eqn, list(eqn.invars).index(v), labels
+        if name == "max":
+            other = [u for u in eqn.invars if u is not v]
+            c = _scalar_literal(jaxpr, other[0]) if len(other) == 1 else None
+            if c is None or c != -np.inf:
+                raise _Fail
+        elif name in _VIEWS:
+            labels = _view_labels(eqn, labels)
+        elif name != "stop_gradient":
+            raise _Fail
+        region.add(i)
+        v = eqn.outvars[0]
+
+
+def _reduced(labels: tuple[Label, ...], axis: int) -> tuple[Label, ...]:
+    return labels[:axis] + labels[axis + 1 :]
+
+
+def _keyless(labels: Sequence[Label], key: Label) -> list[Label]:
+    return [None if lab == key else lab for lab in labels]
+
+
+def _softmax(
+    jaxpr: Jaxpr,
+    users: dict[Any, list[int]],
+    x: Any,
+    labels: tuple[Label, ...],
+    key: Label,
+    region: set[int],
+) -> tuple[Any, tuple[Label, ...]]:
+    """The softmax over the ``key`` axis written out from ``x`` (``exp(x -
+    max) / sum``); returns its result and labels."""
+    axis = labels.index(key)
+    us = users.get(x, [])
+    if len(us) != 2 or min(us) < 0:
+        raise _Fail
+    rmax = [i for i in us if jaxpr.eqns[i].primitive.name == "reduce_max"]
+    if len(rmax) != 1 or tuple(jaxpr.eqns[rmax[0]].params["axes"]) != (axis,):
+        raise _Fail
+    region.update(us)
+    # The scores, possibly through views, into the subtraction.
+    other = jaxpr.eqns[[i for i in us if i != rmax[0]][0]]
+    x2, labels2 = x, labels
+    if other.primitive.name in _VIEWS:
+        labels2 = _view_labels(other, labels)
+        x2, labels2 = _follow_views(jaxpr, users, other.outvars[0], labels2, region)
+        other = jaxpr.eqns[_only_user(users, x2)]
+    if other.primitive.name != "sub" or other.invars[0] is not x2:
+        raise _Fail
+    sub, pos, mlabels = _stat_chain(
+        jaxpr, users, jaxpr.eqns[rmax[0]].outvars[0], _reduced(labels, axis), "sub",
+        region,
+    )  # fmt: skip
+    if sub is not other or pos != 1 or list(mlabels) != _keyless(labels2, key):
+        raise _Fail
+    i = _only_user(users, sub.outvars[0])
+    exp = jaxpr.eqns[i]
+    if exp.primitive.name != "exp":
+        raise _Fail
+    region.update((i, users[x2][0]))
+    e = exp.outvars[0]
+    us = users.get(e, [])
+    if len(us) != 2 or min(us) < 0:
+        raise _Fail
+    by = {jaxpr.eqns[i].primitive.name: i for i in us}
+    if set(by) != {"reduce_sum", "div"}:
+        raise _Fail
+    axis2 = labels2.index(key)
+    rsum = jaxpr.eqns[by["reduce_sum"]]
+    if tuple(rsum.params["axes"]) != (axis2,):
+        raise _Fail
+    region.update(us)
+    div, pos, slabels = _stat_chain(
+        jaxpr, users, rsum.outvars[0], _reduced(labels2, axis2), "div", region
+    )
+    if div is not jaxpr.eqns[by["div"]] or pos != 1 or div.invars[0] is not e:
+        raise _Fail
+    if list(slabels) != _keyless(labels2, key):
+        raise _Fail
+    return div.outvars[0], labels2
+
+
+def _dims(eqn: JaxprEqn) -> tuple[tuple[int, ...], ...]:
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    return (
+        tuple(map(int, lc)),
+        tuple(map(int, rc)),
+        tuple(map(int, lb)),
+        tuple(map(int, rb)),
+    )
+
+
+def _free(ndim: int, *used: Sequence[int]) -> list[int]:
+    taken = {d for u in used for d in u}
+    return [d for d in range(ndim) if d not in taken]
+
+
+def _one_free(shape: Sequence[int], free: Sequence[int]) -> int:
+    big = [d for d in free if shape[d] != 1]
+    if len(big) != 1:
+        raise _Fail
+    return big[0]
+
+
+def _match_at(jaxpr: Jaxpr, users: dict[Any, list[int]], first: int) -> Match:
+    dot1 = jaxpr.eqns[first]
+    lhs, rhs = dot1.invars
+    if not (_is_f32(lhs) and _is_f32(rhs) and _is_f32(dot1.outvars[0])):
+        raise _Fail
+    lc, rc, lb, rb = _dims(dot1)
+    if len(lc) != 1 or len(lb) == 0:
+        raise _Fail
+    ls, rs = _shape(lhs), _shape(rhs)
+    lfree, rfree = _free(len(ls), lc, lb), _free(len(rs), rc, rb)
+    la, rb_ = _one_free(ls, lfree), _one_free(rs, rfree)
+    labels: tuple[Label, ...] = (
+        *[("b", i) for i in range(len(lb))],
+        *["A" if d == la else None for d in lfree],
+        *["B" if d == rb_ else None for d in rfree],
+    )
+    region = {first}
+    x, labels, scale, raw_steps = _scores_chain(
+        jaxpr, users, dot1.outvars[0], labels, region
+    )
+    keys = [lab for lab in labels if lab in ("A", "B")]
+    if sorted(keys) != ["A", "B"]:
+        raise _Fail
+    # The softmax axis is the keys' axis.
+    red = [j for j, lab in enumerate(labels) if lab in ("A", "B")]
+    for axis in red:
+        key = labels[axis]
+        try:
+            trial = set(region)
+            p, plabels = _softmax(jaxpr, users, x, labels, key, trial)
+        except _Fail:
+            continue
+        region = trial
+        break
+    else:
+        raise _Fail
+    p, plabels = _follow_views(jaxpr, users, p, plabels, region)
+    anchor = _only_user(users, p)
+    dot2 = jaxpr.eqns[anchor]
+    if dot2.primitive.name != "dot_general" or not _is_f32(dot2.outvars[0]):
+        raise _Fail
+    region.add(anchor)
+    c2l, c2r, b2l, b2r = _dims(dot2)
+    ppos = list(dot2.invars).index(p)
+    if dot2.invars[1 - ppos] is p:
+        raise _Fail
+    v = dot2.invars[1 - ppos]
+    pc, vc = (c2l, c2r) if ppos == 0 else (c2r, c2l)
+    pb, vb = (b2l, b2r) if ppos == 0 else (b2r, b2l)
+    if len(pc) != 1 or plabels[pc[0]] != key:
+        raise _Fail
+    nb = len(lb)
+    if sorted(plabels[d] for d in pb) != [("b", i) for i in range(nb)]:
+        raise _Fail
+    query = "B" if key == "A" else "A"
+    pfree = _free(len(plabels), pc, pb)
+    if [plabels[d] for d in pfree if plabels[d] is not None] != [query]:
+        raise _Fail
+    vs = _shape(v)
+    vfree = _free(len(vs), vc, vb)
+    vh = _one_free(vs, vfree)
+    # Batch axes of q, k and v ordered by label.
+    q_op, k_op = (lhs, rhs) if query == "A" else (rhs, lhs)
+    qb, kb = (lb, rb) if query == "A" else (rb, lb)
+    qc, kc = (lc[0], rc[0]) if query == "A" else (rc[0], lc[0])
+    qseq, kseq = (la, rb_) if query == "A" else (rb_, la)
+    vbatch = [0] * nb
+    for pd, vd in zip(pb, vb, strict=True):
+        vbatch[plabels[pd][1]] = vd
+    batch = tuple(int(ls[d]) for d in lb)
+    if _shape(q_op)[qc] != _shape(k_op)[kc]:
+        raise _Fail
+    # Labels of the result: batch in dot2's order, then lhs free, rhs free.
+    out: list[Label] = [plabels[d] for d in pb]
+    pside = ["T" if plabels[d] == query else None for d in pfree]
+    vside = ["H" if d == vh else None for d in vfree]
+    out += pside + vside if ppos == 0 else vside + pside
+    # Everything the region reads from outside.
+    produced = {o for i in region for o in jaxpr.eqns[i].outvars}
+    inputs: list[Any] = []
+    for i in sorted(region):
+        for u in jaxpr.eqns[i].invars:
+            if not isinstance(u, Literal) and u not in produced and u not in inputs:
+                inputs.append(u)
+        for o in jaxpr.eqns[i].outvars:
+            if i != anchor and any(j not in region for j in users.get(o, [])):
+                raise _Fail
+    steps = []
+    for r in raw_steps:
+        factor = scale / r.scale
+        if r.kind == "mask" and not (
+            r.fill is not None and r.fill * factor <= _FILL_MAX
+        ):
+            raise _Fail
+        steps.append(_Step(r.kind, r.eqn, r.operand, tuple(r.labels), factor))
+    parts = ["scaled q·kᵀ" if scale != 1.0 else "q·kᵀ"]
+    if any(s.kind == "mask" for s in steps):
+        parts.append("mask")
+    if any(s.kind == "bias" for s in steps):
+        parts.append("bias")
+    parts += ["softmax", "·v"]
+    # The two matmuls' FLOPs: 2 b t s h for the scores, 2 b t s h_v for ·v.
+    qs = _shape(q_op)
+    flops = 2 * math.prod(batch) * qs[qseq] * _shape(k_op)[kseq] * (qs[qc] + vs[vh])
+    record = new_jaxpr_eqn(
+        [q_op, k_op, v],
+        list(dot2.outvars),
+        ATTENTION_P,
+        {"flops": flops},
+        set(),
+        dot1.source_info,
+    )
+    return Match(
+        first=first,
+        anchor=anchor,
+        region=frozenset(region),
+        inputs=tuple(inputs),
+        q=(inputs.index(q_op), tuple(qb), qseq, qc),
+        k=(inputs.index(k_op), tuple(kb), kseq, kc),
+        v=(inputs.index(v), tuple(vbatch), vc[0], vh),
+        batch=batch,
+        query=query,
+        out_labels=tuple(out),
+        scale=scale,
+        steps=tuple(steps),
+        causal=False,
+        pattern=", ".join(parts),
+        eqn=record,
+    )
+
+
+def find(jaxpr: Jaxpr, consts: Sequence[Any] = ()) -> dict[int, Match]:
+    """The attentions of ``jaxpr`` (its own equations, not sub-jaxprs), by the
+    index of their last equation.
+
+    ``consts`` are the values of its constvars: a mask computed from constants
+    only is evaluated, and a causal one becomes ``is_causal``.
+    """
+    dots = [i for i, e in enumerate(jaxpr.eqns) if e.primitive.name == "dot_general"]
+    if len(dots) < 2:
+        return {}
+    users = _users(jaxpr)
+    out: dict[int, Match] = {}
+    taken: set[int] = set()
+    for i in dots:
+        if i in taken:
+            continue
+        try:
+            m = _match_at(jaxpr, users, i)
+        except (_Fail, ValueError, KeyError, IndexError, TypeError):
+            continue
+        if m.region & taken:
+            continue
+        m = _with_causal(jaxpr, consts, m)
+        taken |= m.region
+        out[m.anchor] = m
+    return out
+
+
+# ----------------------------------------------------------------- constant masks
+
+
+def _concrete(jaxpr: Jaxpr, consts: Sequence[Any], v: Any, memo: dict) -> Any:
+    """The value of ``v`` if it is computed from literals and constants only."""
+    if isinstance(v, Literal):
+        return v.val
+    if v in memo:
+        return memo[v]
+    if v in jaxpr.constvars:
+        val = consts[list(jaxpr.constvars).index(v)]
+        memo[v] = None if _compat.is_tracer(val) else val
+        return memo[v]
+    eqn = _producers(jaxpr).get(v)
+    if eqn is not None:
+        args = [_concrete(jaxpr, consts, u, memo) for u in eqn.invars]
+        if any(a is None for a in args):
+            memo[v] = None
+            return None
+        with jax.ensure_compile_time_eval():
+            res = _bind(eqn, args)
+        for o, r in zip(eqn.outvars, res, strict=True):
+            memo[o] = np.asarray(r)
+        return memo[v]
+    memo[v] = None
+    return None
+
+
+def _bind(eqn: JaxprEqn, args: Sequence[Any]) -> list[Any]:
+    params = eqn.primitive.get_bind_params(eqn.params)
+    subfuns: Sequence[Any] = ()
+    if isinstance(params, tuple):
+        subfuns, params = params
+    out = eqn.primitive.bind(*subfuns, *args, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _with_causal(jaxpr: Jaxpr, consts: Sequence[Any], m: Match) -> Match:
+    """``m`` with its masks replaced by ``is_causal`` where they are a
+    constant causal ``tril`` and it has no bias."""
+    masks = [s for s in m.steps if s.kind == "mask"]
+    if not masks or len(masks) != len(m.steps):
+        return m
+    memo: dict[Any, Any] = {}
+    keep = None
+    for s in masks:
+        args = []
+        for j, u in enumerate(s.eqn.invars):
+            if j == s.operand:
+                args.append(np.zeros(_shape(u), np.float32))
+                continue
+            val = _concrete(jaxpr, consts, u, memo)
+            if val is None:
+                return m
+            args.append(val)
+        with jax.ensure_compile_time_eval():
+            res = np.asarray(_bind(s.eqn, args)[0]) == 0
+        one = np.asarray(_canonical(res, _out_labels_of(s), m.batch, m.query))
+        keep = one if keep is None else keep & one
+    assert keep is not None
+    t, s_len = keep.shape[-2:]
+    if not np.array_equal(
+        np.broadcast_to(np.tril(np.ones((t, s_len), bool)), keep.shape), keep
+    ):
+        return m
+    return dataclasses.replace(
+        m, steps=(), causal=True, pattern=m.pattern.replace("mask", "causal mask")
+    )
+
+
+def _out_labels_of(step: _Step) -> tuple[Label, ...]:
+    if step.eqn.primitive.name in ("jit", "pjit") and _shape(
+        step.eqn.outvars[0]
+    ) != _shape(step.eqn.invars[step.operand]):
+        return _where_labels(step.eqn, step.operand, step.labels)
+    return step.labels
+
+
+# ----------------------------------------------------------------- the fused kernel
+
+
+def _canonical(
+    x: Any, labels: Sequence[Label], batch: Sequence[int], query: str
+) -> Any:
+    """A mask or bias in the scores' labels as ``[B, N, T, S]``."""
+    order = [j for j, lab in enumerate(labels) if isinstance(lab, tuple)]
+    order.sort(key=lambda j: labels[j][1])
+    key = "B" if query == "A" else "A"
+    seq = [labels.index(query), labels.index(key)]
+    units = [j for j, lab in enumerate(labels) if lab is None]
+    perm = order + seq + units
+    y = jnp.transpose(x, perm) if isinstance(x, jax.Array) else np.transpose(x, perm)
+    shape = y.shape[: len(order) + 2]
+    y = y.reshape(shape)
+    full = (*batch, *shape[len(order) :])
+    y = (
+        jnp.broadcast_to(y, full)
+        if isinstance(y, jax.Array)
+        else np.broadcast_to(y, full)
+    )
+    b = math.prod(batch[:-1])
+    return y.reshape((b, batch[-1], *shape[len(order) :]))
+
+
+def _qkv(
+    x: Any, spec: tuple[int, tuple[int, ...], int, int], batch: Sequence[int], low: Any
+) -> Any:
+    """Queries, keys or values as ``[B, T, N, H]`` in ``low``."""
+    _, bdims, seq, head = spec
+    units = [d for d in range(x.ndim) if d not in (*bdims, seq, head)]
+    perm = [*bdims[:-1], seq, bdims[-1], head, *units]
+    y = jnp.transpose(x, perm).astype(low)
+    b = math.prod(batch[:-1])
+    return y.reshape((b, x.shape[seq], batch[-1], x.shape[head]))
+
+
+def fused(m: Match, values: Sequence[Any], low: Any, out_shape: Sequence[int]) -> Any:
+    """The attention of ``m`` by ``jax.nn.dot_product_attention(...,
+    implementation="cudnn")`` on 16-bit operands, in the layout of the
+    region's result (in ``low``).
+
+    Raises:
+        Exception: whatever JAX raises when cuDNN is missing or refuses the
+            shapes (the caller keeps the unfused formulation).
+    """
+    q = _qkv(values[m.q[0]], m.q, m.batch, low)
+    k = _qkv(values[m.k[0]], m.k, m.batch, low)
+    v = _qkv(values[m.v[0]], m.v, m.batch, low)
+    mask = bias = None
+    env = dict(zip(m.inputs, values, strict=True))
+    for s in m.steps:
+        args = [
+            jnp.zeros(_shape(u), jnp.float32) if j == s.operand else _read(env, u)
+            for j, u in enumerate(s.eqn.invars)
+        ]
+        res = _bind(s.eqn, args)[0]
+        labels = _out_labels_of(s)
+        if s.kind == "mask":
+            one = _canonical(res == 0, labels, m.batch, m.query)
+            mask = one if mask is None else mask & one
+        else:
+            one = _canonical(res * s.factor, labels, m.batch, m.query)
+            bias = one if bias is None else bias + one
+    out = jax.nn.dot_product_attention(
+        q,
+        k,
+        v,
+        bias=None if bias is None else bias.astype(low),
+        mask=mask,
+        scale=m.scale,
+        is_causal=m.causal,
+        implementation=_IMPLEMENTATION,
+    )
+    # [B, T, N, H] back to the result's layout.
+    nb = len(m.batch)
+    out = out.reshape((*m.batch[:-1], out.shape[1], m.batch[-1], out.shape[3]))
+    here = [("b", i) for i in range(nb - 1)] + ["T", ("b", nb - 1), "H"]
+    want = [lab for lab in m.out_labels if lab is not None]
+    out = jnp.transpose(out, [here.index(lab) for lab in want])
+    return out.reshape(tuple(out_shape))
+
+
+def _read(env: dict[Any, Any], u: Any) -> Any:
+    return u.val if isinstance(u, Literal) else env[u]

@@ -1,0 +1,331 @@
+"""Attention recognised by autocast and run as one fused kernel on a GPU.
+
+On this CPU host: which attentions are recognised (and which near misses are
+not), that the CPU formulation is the unfused one bit for bit, the numerics and
+gradients of the fused formulation (run with JAX's XLA implementation here)
+against float32, and the cuda export (cuDNN's custom calls, no dots).
+"""
+
+import functools as ft
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_trees_close
+
+import mixprec
+from mixprec._src import _compat
+from mixprec._src.autocast import attention, interpreter
+
+
+B, T, N, H = 2, 16, 4, 64
+
+
+def _pin_cuda_attention(monkeypatch):
+    """The attention's cuda formulation, whatever the platform (dots keep
+    theirs)."""
+    monkeypatch.setattr(
+        interpreter,
+        "per_platform",
+        lambda args, *, platform, default, **overrides: overrides["cuda"](*args),
+    )
+
+
+def _qkv(t=T, s=None, h=H, seed=0):
+    ks = jax.random.split(jax.random.key(seed), 3)
+    s = t if s is None else s
+    return (
+        jax.random.normal(ks[0], (B, t, N, h)),
+        jax.random.normal(ks[1], (B, s, N, h)),
+        jax.random.normal(ks[2], (B, s, N, h)),
+    )
+
+
+def _causal(t):
+    return jnp.tril(jnp.ones((t, t), dtype=bool)).reshape(1, 1, t, t)
+
+
+def gpt_causal(q, k, v):
+    s = jnp.einsum("bthd,bshd->bhts", q, k) / math.sqrt(q.shape[-1])
+    s = jnp.where(_causal(q.shape[1]), s, jnp.finfo(s.dtype).min)
+    return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, axis=-1), v)
+
+
+def plain(q, k, v):
+    s = jnp.einsum("bthd,bshd->bhts", q, k) * 0.125
+    return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, axis=-1), v)
+
+
+def padding(q, k, v, keep):
+    # keep: bool[B, S], a padding mask broadcast over heads and queries.
+    s = jnp.einsum("bthd,bshd->bhts", q, k) / 8.0
+    s = jnp.where(keep[:, None, None, :], s, -1e9)
+    return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, axis=-1), v)
+
+
+def additive(q, k, v, bias):
+    s = jnp.einsum("bthd,bshd->bhts", q, k) / 8.0 + bias
+    return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, axis=-1), v)
+
+
+def dpa_causal(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+
+def dpa_plain(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v)
+
+
+# Near misses.
+def dropout_on_weights(q, k, v):
+    s = jnp.einsum("bthd,bshd->bhts", q, k) / 8.0
+    w = jax.nn.softmax(s, axis=-1)
+    keep = jax.random.bernoulli(jax.random.key(0), 0.9, w.shape)
+    w = jnp.where(keep, w / 0.9, 0.0)
+    return jnp.einsum("bhts,bshd->bthd", w, v)
+
+
+def softmax_over_queries(q, k, v):
+    s = jnp.einsum("bthd,bshd->bhts", q, k) / 8.0
+    w = jax.nn.softmax(s, axis=-2)
+    return jnp.einsum("bhts,bshd->bthd", w, v)
+
+
+def per_head_scale(q, k, v):
+    s = (
+        jnp.einsum("bthd,bshd->bhts", q, k)
+        * jnp.linspace(0.1, 0.2, N)[None, :, None, None]
+    )
+    return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, axis=-1), v)
+
+
+def sigmoid_attention(q, k, v):
+    s = jnp.einsum("bthd,bshd->bhts", q, k) / 8.0
+    return jnp.einsum("bhts,bshd->bthd", jax.nn.sigmoid(s), v)
+
+
+def weights_also_returned(q, k, v):
+    s = jnp.einsum("bthd,bshd->bhts", q, k) / 8.0
+    w = jax.nn.softmax(s, axis=-1)
+    return jnp.einsum("bhts,bshd->bthd", w, v), w
+
+
+def weak_mask_fill(q, k, v):
+    # A fill of -10 does not make the masked weights zero: not a mask.
+    s = jnp.einsum("bthd,bshd->bhts", q, k) / 8.0
+    s = jnp.where(_causal(q.shape[1]), s, -10.0)
+    return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, axis=-1), v)
+
+
+def _fused(fn, *args, policy="mixed_bfloat16"):
+    report = mixprec.explain(fn, *args, policy=policy)
+    return [op for op in report.ops if op.primitive == "dot_product_attention"]
+
+
+def _args(name):
+    q, k, v = _qkv()
+    if name == "padding":
+        keep = jnp.arange(T)[None, :] < jnp.array([[T], [T - 5]])
+        return q, k, v, keep
+    if name == "additive":
+        return q, k, v, 0.1 * jax.random.normal(jax.random.key(3), (1, N, T, T))
+    return q, k, v
+
+
+POSITIVE = {
+    "gpt_causal": gpt_causal,
+    "plain": plain,
+    "padding": padding,
+    "additive": additive,
+    "dpa_causal": dpa_causal,
+    "dpa_plain": dpa_plain,
+}
+NEGATIVE = {
+    "dropout_on_weights": dropout_on_weights,
+    "softmax_over_queries": softmax_over_queries,
+    "per_head_scale": per_head_scale,
+    "sigmoid_attention": sigmoid_attention,
+    "weights_also_returned": weights_also_returned,
+    "weak_mask_fill": weak_mask_fill,
+}
+
+
+@pytest.mark.parametrize("name", sorted(POSITIVE))
+def test_attention_is_one_entry_with_its_reason_and_line(name):
+    ops = _fused(POSITIVE[name], *_args(name))
+    assert len(ops) == 1, name
+    op = ops[0]
+    assert op.decision == "low" and op.dtype == "bfloat16"
+    assert "attention" in op.reason and "softmax" in op.reason
+    assert op.source and "test_autocast_attention.py" in op.source
+    # Its FLOPs are those of the two matmuls it replaces.
+    assert op.flops == 2 * (2 * B * N * T * T * H)
+    if name in ("gpt_causal", "dpa_causal"):
+        assert "causal mask" in op.reason
+
+
+@pytest.mark.parametrize("name", sorted(NEGATIVE))
+def test_near_misses_stay_unfused(name):
+    assert _fused(NEGATIVE[name], *_qkv()) == []
+
+
+def test_float32_policy_and_float32_scope_do_not_fuse():
+    assert _fused(gpt_causal, *_qkv(), policy="float32") == []
+
+    def scoped(q, k, v):
+        with mixprec.float32_scope():
+            return gpt_causal(q, k, v)
+
+    assert _fused(scoped, *_qkv()) == []
+
+
+@pytest.mark.parametrize("name", sorted(POSITIVE))
+def test_cpu_formulation_is_the_unfused_one(name, monkeypatch):
+    args = _args(name)
+    fn = POSITIVE[name]
+    # New functions: autocast caches what it built for one.
+    got = jax.jit(mixprec.autocast(lambda *a: fn(*a), "mixed_bfloat16"))(*args)
+    monkeypatch.setattr(attention, "find", lambda *a, **k: {})
+    want = jax.jit(mixprec.autocast(lambda *a: fn(*a), "mixed_bfloat16"))(*args)
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("low", ["bfloat16", "float16"])
+@pytest.mark.parametrize("name", sorted(POSITIVE))
+def test_fused_formulation_matches_float32(name, low, monkeypatch):
+    # The cuda formulation, pinned, with JAX's XLA implementation standing in
+    # for cuDNN on this CPU: the layouts, scale, masks and biases are right.
+    monkeypatch.setattr(attention, "_IMPLEMENTATION", "xla")
+    _pin_cuda_attention(monkeypatch)
+    args = _args(name)
+    fn = POSITIVE[name]
+    calls = []
+    real = attention.fused
+    monkeypatch.setattr(
+        attention, "fused", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    # A new function: autocast caches what it built for one.
+    f = mixprec.autocast(lambda *a: fn(*a), f"mixed_{low}")
+    got = jax.jit(f)(*args)
+    assert calls, "the fused formulation did not run"
+    assert got.dtype == jnp.float32  # the policy's output dtype
+    if name == "additive" and low == "float16":
+        # cuDNN takes the bias in float16 too: one more rounding than the
+        # float16 tolerance (eps 1e-3) allows for.
+        err = np.max(np.abs(got - fn(*args))) / np.max(np.abs(fn(*args)))
+        assert err <= 2e-3
+    else:
+        assert_trees_close(got, fn(*args), dtype=low)
+
+    def loss(f, q, k, v, *rest):
+        return jnp.sum(f(q, k, v, *rest).astype(jnp.float32) * v)
+
+    g = jax.grad(ft.partial(loss, f), argnums=(0, 1, 2))(*args)
+    g32 = jax.grad(ft.partial(loss, fn), argnums=(0, 1, 2))(*args)
+    assert [a.dtype for a in g] == [jnp.float32] * 3
+    assert_trees_close(g, g32, dtype=low, grad=True)
+
+
+def test_gradients_through_autocast_and_whole_step():
+    q, k, v = _qkv()
+
+    def loss(q, k, v):
+        return jnp.mean(gpt_causal(q, k, v) ** 2)
+
+    g32 = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    g = jax.grad(mixprec.autocast(loss, "mixed_bfloat16"), argnums=(0, 1, 2))(q, k, v)
+    assert_trees_close(g, g32, dtype=jnp.bfloat16, grad=True)
+    whole = mixprec.autocast(jax.grad(loss, argnums=(0, 1, 2)), "mixed_bfloat16")
+    gw = jax.jit(whole)(q, k, v)
+    assert [x.dtype for x in gw] == [jnp.float32] * 3
+    assert_trees_close(gw, g32, dtype=jnp.bfloat16, grad=True)
+
+
+def test_head_dim_cudnn_refuses_keeps_the_unfused_formulation(monkeypatch):
+    # Pretend cuDNN is present: a head dimension that is not a multiple of 8
+    # is refused at trace time, and the cuda branch keeps the ops.
+    monkeypatch.setattr(
+        _compat.cudnn_attention_module(), "check_cudnn_version", lambda: 91000
+    )
+    _pin_cuda_attention(monkeypatch)
+    q, k, v = _qkv(h=12)
+    f = mixprec.autocast(lambda *a: gpt_causal(*a), "mixed_bfloat16")
+    names = {e.primitive.name for e in jax.make_jaxpr(f)(q, k, v).eqns}
+    assert "exp" in names and "custom_vjp_call" not in names
+
+
+def _cuda_text(fn, *args):
+    calls = ("__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward")
+    calls += ("__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaScaleBiasSoftmaxBackward")
+    checks = [jax.export.DisabledSafetyCheck.custom_call(c) for c in calls]
+    exp = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)
+    return exp(*args).mlir_module()
+
+
+@pytest.mark.parametrize("name", ["gpt_causal", "dpa_causal", "plain"])
+def test_cuda_export_runs_cudnn_attention_forward_and_backward(name, monkeypatch):
+    monkeypatch.setattr(
+        _compat.cudnn_attention_module(), "check_cudnn_version", lambda: 91000
+    )
+    q, k, v = _qkv()
+    fn = POSITIVE[name]
+    f = mixprec.autocast(lambda *a: fn(*a), "mixed_bfloat16")
+
+    def loss(q, k, v):
+        return jnp.sum(f(q, k, v).astype(jnp.float32))
+
+    fwd = _cuda_text(f, q, k, v)
+    calls = set(re.findall(r"custom_call @([\w$]+)", fwd))
+    assert "__cudnn$fmhaSoftmax" in calls, calls
+    assert "stablehlo.dot_general" not in fwd
+    assert "stablehlo.exponential" not in fwd
+    mask_type = re.search(r"mask_type\\22: \\22(\w+)", fwd)
+    assert mask_type is not None
+    assert mask_type.group(1) == ("CAUSAL" if "causal" in name else "NO_MASK")
+    bwd = _cuda_text(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)
+    calls = set(re.findall(r"custom_call @([\w$]+)", bwd))
+    assert "__cudnn$fmhaSoftmaxBackward" in calls, calls
+    assert "stablehlo.dot_general" not in bwd
+    # The attention takes 16-bit operands.
+    sig = re.search(r"custom_call @__cudnn\$fmhaSoftmax\(.* : \(([^)]*)\) ->", fwd)
+    assert sig is not None and "bf16" in sig.group(1) and "f32" not in sig.group(1)
+
+
+def test_flax_equinox_haiku_attention_are_recognised():
+    flax_nn = pytest.importorskip("flax.linen")
+    eqx = pytest.importorskip("equinox")
+    hk = pytest.importorskip("haiku")
+    x = jax.random.normal(jax.random.key(0), (B, T, 64))
+    m = flax_nn.MultiHeadDotProductAttention(num_heads=4, qkv_features=64)
+    p = m.init(jax.random.key(1), x)
+
+    def flax_f(p, x):
+        mask = flax_nn.make_causal_mask(jnp.ones(x.shape[:2]))
+        return m.apply(p, x, mask=mask, deterministic=True)
+
+    (op,) = _fused(flax_f, p, x)
+    assert "causal mask" in op.reason
+    # A mask that is an argument is passed to the kernel as a mask.
+    mask = flax_nn.make_causal_mask(jnp.ones((B, T)))
+    flax_g = lambda p, x, mask: m.apply(p, x, mask=mask)  # noqa: E731
+    (op,) = _fused(flax_g, p, x, mask)
+    assert "mask" in op.reason and "causal" not in op.reason
+
+    e = eqx.nn.MultiheadAttention(4, 64, key=jax.random.key(2))
+    causal = jnp.tril(jnp.ones((T, T), bool))
+    eqx_f = lambda e, x: e(x, x, x, mask=causal)  # noqa: E731
+    assert len(_fused(eqx_f, e, x[0])) == 1
+
+    def hk_fn(x):
+        mha = hk.MultiHeadAttention(
+            num_heads=4, key_size=16, w_init=hk.initializers.VarianceScaling()
+        )
+        return mha(x, x, x, mask=_causal(T))
+
+    model = hk.without_apply_rng(hk.transform(hk_fn))
+    hp = model.init(jax.random.key(3), x)
+    assert len(_fused(model.apply, hp, x)) == 1
