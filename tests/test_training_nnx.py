@@ -217,7 +217,7 @@ def _train(mixed, data, steps):
 
 
 def test_float16_loss_scaled_training_with_batchnorm_and_dropout_matches_float32():
-    from mixprec._src.cli.demo.data import load_digits
+    from mixprec._src.workloads.data import load_digits
 
     data = load_digits()
     steps = 300

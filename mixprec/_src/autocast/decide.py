@@ -566,8 +566,8 @@ def misfit(magnitudes: tuple[float, float], low: np.dtype) -> str | None:
 
     Examples:
         >>> f16 = np.dtype(np.float16)
-        >>> misfit((1e5, 1e5), f16)
-        'beyond float16's largest value (1e+05 > 65504)'
+        >>> print(misfit((1e5, 1e5), f16))
+        beyond float16's largest value (1e+05 > 65504)
         >>> misfit((1e-8, 1e-8), f16), misfit((1.0, 1e-3), f16)
         ("below float16's smallest (1e-08 becomes 0)", None)
     """
