@@ -245,6 +245,90 @@ def test_gradients_through_autocast_and_whole_step():
     assert_trees_close(gw, g32, dtype=jnp.bfloat16, grad=True)
 
 
+# ------------------------------------------------- a whole step: forward and backward
+
+
+def _sum_loss(fn):
+    def loss(q, k, v, *rest):
+        return jnp.sum(fn(q, k, v, *rest).astype(jnp.float32) * v)
+
+    return loss
+
+
+def _attention_entries(fn, *args, policy="mixed_bfloat16"):
+    report = mixprec.explain(fn, *args, policy=policy)
+    return [
+        (op.backward, op.reason.split(" (")[0])
+        for op in report.ops
+        if op.primitive == "dot_product_attention"
+    ]
+
+
+@pytest.mark.parametrize("name", sorted(POSITIVE))
+def test_whole_step_fuses_attention_and_its_gradient(name, monkeypatch):
+    # autocast around `jax.grad`: the backward equations JAX emitted are
+    # proven to be the derivative of the recognised forward and run as the
+    # fused kernel's derivative (XLA's implementation standing in for cuDNN;
+    # its float16 derivative has GEMMs XLA:CPU cannot run, so float16 is
+    # checked by exporting for cuda: test_platforms.py).
+    low = "bfloat16"
+    monkeypatch.setattr(attention, "_IMPLEMENTATION", "xla")
+    _pin_cuda_attention(monkeypatch)
+    args = _args(name)
+    grad = jax.grad(_sum_loss(POSITIVE[name]), argnums=(0, 1, 2))
+    g32 = grad(*args)
+    assert _attention_entries(grad, *args, policy=f"mixed_{low}") == [
+        (False, "attention"),
+        (True, "attention's gradient"),
+    ]
+    # (JAX's XLA implementation of attention relies on implicit promotion in
+    # its derivative, traced when the step is; cuDNN's does not.)
+    with jax.numpy_dtype_promotion("standard"):
+        got = jax.jit(mixprec.autocast(lambda *a: grad(*a), f"mixed_{low}"))(*args)
+    assert [g.dtype for g in got] == [jnp.float32] * 3
+    assert_trees_close(got, g32, dtype=low, grad=True)
+
+
+@pytest.mark.parametrize("name", sorted(POSITIVE))
+def test_whole_step_cpu_formulation_is_the_unfused_one(name, monkeypatch):
+    args = _args(name)
+    grad = jax.grad(_sum_loss(POSITIVE[name]), argnums=(0, 1, 2))
+    assert _attention_entries(grad, *args)  # recognised
+    got = jax.jit(mixprec.autocast(lambda *a: grad(*a), "mixed_bfloat16"))(*args)
+    monkeypatch.setattr(attention, "find", lambda *a, **k: {})
+    want = jax.jit(mixprec.autocast(lambda *a: grad(*a), "mixed_bfloat16"))(*args)
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_whole_step_that_reads_the_weights_elsewhere_stays_unfused():
+    # The attention weights are also returned: the fused kernel never
+    # materialises them, so neither pass is fused.
+    q, k, v = _qkv()
+
+    def loss(q, k, v):
+        s = jnp.einsum("bthd,bshd->bhts", q, k) / 8.0
+        p = jax.nn.softmax(s, axis=-1)
+        return jnp.sum(jnp.einsum("bhts,bshd->bthd", p, v) ** 2), p
+
+    grad = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)
+    assert _attention_entries(grad, q, k, v) == []
+    # Without the weights it is recognised.
+    plain = jax.grad(lambda *a: loss(*a)[0], argnums=(0, 1, 2))
+    assert len(_attention_entries(plain, q, k, v)) == 2
+
+
+def test_whole_step_under_remat_is_correct_unfused():
+    # `jax.checkpoint` puts the forward and the backward in different
+    # jaxprs: nothing to prove, nothing fused, gradients still right.
+    q, k, v = _qkv()
+    loss = _sum_loss(jax.checkpoint(gpt_causal))
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    got = jax.jit(mixprec.autocast(grad, "mixed_bfloat16"))(q, k, v)
+    assert_trees_close(got, grad(q, k, v), dtype=jnp.bfloat16, grad=True)
+
+
 def test_head_dim_cudnn_refuses_keeps_the_unfused_formulation(monkeypatch):
     # Pretend cuDNN is present: a head dimension that is not a multiple of 8
     # is refused at trace time, and the cuda branch keeps the ops.

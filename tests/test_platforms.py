@@ -4,6 +4,7 @@ What a GPU will run is checked on this CPU host by exporting for ``cuda``
 (``jax.export`` lowers without a GPU) and reading the StableHLO.
 """
 
+import collections
 import re
 import subprocess
 import sys
@@ -115,15 +116,13 @@ def test_whole_step_cuda_export_runs_the_gemms_of_a_wrapped_loss(low, monkeypatc
     from mixprec._src import _compat
     from mixprec._src.workloads import gpt2
 
-    # Only a wrapped loss gets cuDNN's fused attention (see
-    # test_autocast_attention.py); with no cuDNN, as on this host, both run
-    # the attention's GEMMs, which are compared here.
-    def no_cudnn():
-        raise RuntimeError("cuDNN is not detected.")
-
+    # As if cuDNN were installed: both get its fused attention, forward and
+    # backward, and the same GEMMs for the rest.
     monkeypatch.setattr(
-        _compat.cudnn_attention_module(), "check_cudnn_version", no_cudnn
+        _compat.cudnn_attention_module(), "check_cudnn_version", lambda: 91000
     )
+    fused = ("__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward")
+    checks = [export.DisabledSafetyCheck.custom_call(c) for c in fused]
 
     cfg = gpt2.GPT2Config(
         vocab_size=256, seq_len=32, d_model=64, num_heads=4, num_layers=2
@@ -148,12 +147,19 @@ def test_whole_step_cuda_export_runs_the_gemms_of_a_wrapped_loss(low, monkeypatc
     whole = jax.jit(mixprec.autocast(train_step(f32), policy))
     with jax.numpy_dtype_promotion("standard"):  # optax's bias correction
         texts = [
-            export.export(f, platforms=["cuda"])(state, x, y).mlir_module()
+            export.export(f, platforms=["cuda"], disabled_checks=checks)(
+                state, x, y
+            ).mlir_module()
             for f in (loss_only, whole)
         ]
         out = jax.eval_shape(whole, state, x, y)
+    for text in texts:
+        calls = collections.Counter(re.findall(r"custom_call @([\w$]+)", text))
+        assert [calls[c] for c in fused] == [cfg.num_layers] * 2, calls
     a, b = (sorted(_dot_results(t)) for t in texts)
-    assert len(a) == 3 * (4 * cfg.num_layers + 2 * cfg.num_layers + 1)
+    # Forward, and the two gradients of each: four projections per layer
+    # and the tied embedding's logits.
+    assert len(a) == 3 * (4 * cfg.num_layers + 1)
     assert a == b
     assert _dot_bytes(a) == _dot_bytes(b)
     short = {"bfloat16": "bf16", "float16": "f16"}[low]

@@ -114,6 +114,7 @@ class Match:
         causal: the masks are exactly a causal ``tril`` (constant).
         pattern: what was recognised, for reports.
         eqn: an equation that stands for the whole region in reports.
+        backward: in a differentiated program, its backward pass.
     """
 
     first: int
@@ -131,6 +132,40 @@ class Match:
     causal: bool
     pattern: str
     eqn: JaxprEqn
+    backward: Backward | None = None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Backward:
+    """The backward pass of a recognised attention in a program that
+    differentiates it (a whole train step), proven to be JAX's derivative of
+    the forward equations (see :func:`_backward`).
+
+    Attributes:
+        region: indices of the equations the fused kernel's derivative
+            replaces (some are forward residuals, such as ``1 / sum**2``).
+        ct: the cotangent of the attention's result.
+        saved: the forward region's values those equations read (the
+            unfused formulation's residuals).
+        reads: everything the region reads from outside: ``ct``, the
+            attention's inputs, ``saved``.
+        grads: per queries, keys and values, the variable that holds its
+            cotangent (``None``: the program does not compute it).
+        at: the index of the equation before which it runs (the first that
+            reads a gradient; ``len(eqns)`` for none).
+        eqn: an equation that stands for it in reports.
+        dropped: dead equations that read the forward's intermediates (what
+            JAX's derivative of ``reduce_max`` leaves behind): never run.
+    """
+
+    region: frozenset[int]
+    ct: Any
+    saved: tuple[Any, ...]
+    reads: tuple[Any, ...]
+    grads: tuple[Any, ...]
+    at: int
+    eqn: JaxprEqn
+    dropped: frozenset[int]
 
 
 # ----------------------------------------------------------------- recognition
@@ -140,9 +175,26 @@ class _Fail(Exception):
     pass
 
 
-def _users(jaxpr: Jaxpr) -> dict[Any, list[int]]:
-    users: dict[Any, list[int]] = {}
+class _Users(dict):
+    """The equations that read each variable (``-1``: an output of the jaxpr).
+
+    ``forward`` (a differentiated program, where the forward equations'
+    values are also read by the backward pass): the backward pass's and dead
+    equations are left out, and the chain takes, among what remains, the one
+    user that has the shape it expects next (see :func:`_pick`).
+    """
+
+    forward: bool = False
+    eqns: Sequence[JaxprEqn] = ()
+
+
+def _users(jaxpr: Jaxpr, ignore: frozenset[int] = frozenset()) -> _Users:
+    users = _Users()
+    users.eqns = jaxpr.eqns
+    users.forward = bool(ignore)
     for i, eqn in enumerate(jaxpr.eqns):
+        if i in ignore:
+            continue
         for v in eqn.invars:
             if not isinstance(v, Literal):
                 users.setdefault(v, []).append(i)
@@ -150,6 +202,17 @@ def _users(jaxpr: Jaxpr) -> dict[Any, list[int]]:
         if not isinstance(v, Literal):
             users.setdefault(v, []).append(-1)
     return users
+
+
+def _pick(users: dict[Any, list[int]], v: Any, fits: Any) -> list[int]:
+    """The users of ``v``; in a differentiated program only those that
+    ``fits(eqn)`` (the others read forward values for the backward pass)."""
+    us = users.get(v, [])
+    if isinstance(users, _Users) and users.forward:
+        us = [i for i in us if i < 0 or fits(users.eqns[i])]
+        if len(us) > 1:
+            us = [i for i in us if i >= 0]
+    return us
 
 
 def _shape(v: Any) -> tuple[int, ...]:
@@ -215,8 +278,8 @@ def _producers(jaxpr: Jaxpr) -> dict[Any, JaxprEqn]:
     return found
 
 
-def _only_user(users: dict[Any, list[int]], v: Any) -> int:
-    us = users.get(v, [])
+def _only_user(users: dict[Any, list[int]], v: Any, fits: Any = None) -> int:
+    us = _pick(users, v, fits or (lambda e: True))
     if len(us) != 1 or us[0] < 0:
         raise _Fail
     return us[0]
@@ -231,7 +294,9 @@ def _follow_views(
 ) -> tuple[Any, tuple[Label, ...]]:
     """Follows single-use views forward from ``v``."""
     while True:
-        us = users.get(v, [])
+        # (In a differentiated program: the one view, where nothing else
+        # continues the chain.)
+        us = _pick(users, v, lambda e: _is_view(e) or e.primitive.name in _CONTINUES)
         if len(us) != 1 or us[0] < 0:
             return v, labels
         eqn = jaxpr.eqns[us[0]]
@@ -246,16 +311,34 @@ def _follow_views(
         v = eqn.outvars[0]
 
 
+def _is_view(eqn: JaxprEqn) -> bool:
+    name = eqn.primitive.name
+    return name in _VIEWS or (
+        name == "convert_element_type" and _is_f32(eqn.outvars[0])
+    )
+
+
+_CHAIN = frozenset({"mul", "div", "add", "select_n", "jit", "pjit"}) | _VIEWS
+# What continues an attention's chain (other users of its values in a
+# differentiated program compute residuals for the backward pass).
+_CONTINUES = _CHAIN | {"reduce_max", "sub", "exp", "reduce_sum", "dot_general"}
+
+
 def _is_where_call(jaxpr: Jaxpr, eqn: JaxprEqn, operand: int) -> bool:
     """Whether a ``jit`` is a ``where`` of the scores (``jnp.where``'s body:
     views and one ``select_n``) with a condition and a scalar literal fill."""
     inner = eqn.params.get("jaxpr")
-    if inner is None or len(eqn.outvars) != 1 or len(eqn.invars) != 3:
+    if inner is None or len(eqn.invars) != 3 or not eqn.outvars:
         return False
     body = getattr(inner, "jaxpr", inner)
     names = [e.primitive.name for e in body.eqns]
     allowed = _VIEWS | {"select_n", "ne", "convert_element_type"}
     if names.count("select_n") != 1 or not set(names) <= allowed:
+        return False
+    # Under differentiation the body also returns what its transpose reads
+    # (the condition, broadcast): never a value computed from the scores.
+    sel = next(e for e in body.eqns if e.primitive.name == "select_n")
+    if body.outvars[0] is not sel.outvars[0]:
         return False
     others = [u for k, u in enumerate(eqn.invars) if k != operand]
     return (
@@ -278,7 +361,7 @@ def _scores_chain(
     steps: list[_Raw] = []
     while True:
         v, labels = _follow_views(jaxpr, users, v, labels, region)
-        us = users.get(v, [])
+        us = _pick(users, v, lambda e: e.primitive.name in _CHAIN)
         if len(us) != 1 or us[0] < 0:
             return v, labels, scale, steps
         i = us[0]
@@ -325,7 +408,7 @@ def _where_labels(eqn: JaxprEqn, pos: int, labels: tuple[Label, ...]) -> tuple:
     v, labs = _follow_views(body, users, body.invars[pos], labels, set())
     sel = _only_user(users, v)
     out = body.eqns[sel].outvars[0]
-    if body.outvars != [out] and list(body.outvars) != [out]:
+    if body.outvars[0] is not out:
         raise _Fail
     if _shape(out) != _shape(v):
         raise _Fail
@@ -343,8 +426,15 @@ def _stat_chain(
     """From a row statistic (a max or a sum) through ``max(-inf, .)``,
     ``stop_gradient`` and views to the ``until`` equation that uses it.
     Returns that equation, the operand position and the statistic's labels."""
+
+    def fits(e: JaxprEqn) -> bool:
+        name = e.primitive.name
+        if name == until:
+            return len(e.invars) == 2 and e.invars[1] is not e.invars[0]
+        return name in ("max", "stop_gradient") or name in _VIEWS
+
     while True:
-        i = _only_user(users, v)
+        i = _only_user(users, v, fits)
         eqn = jaxpr.eqns[i]
         name = eqn.primitive.name
         if name == until:
@@ -381,7 +471,9 @@ def _softmax(
     """The softmax over the ``key`` axis written out from ``x`` (``exp(x -
     max) / sum``); returns its result and labels."""
     axis = labels.index(key)
-    us = users.get(x, [])
+    us = _pick(
+        users, x, lambda e: e.primitive.name in ("reduce_max", "sub") or _is_view(e)
+    )
     if len(us) != 2 or min(us) < 0:
         raise _Fail
     rmax = [i for i in us if jaxpr.eqns[i].primitive.name == "reduce_max"]
@@ -394,7 +486,7 @@ def _softmax(
     if other.primitive.name in _VIEWS:
         labels2 = _view_labels(other, labels)
         x2, labels2 = _follow_views(jaxpr, users, other.outvars[0], labels2, region)
-        other = jaxpr.eqns[_only_user(users, x2)]
+        other = jaxpr.eqns[_only_user(users, x2, lambda e: e.primitive.name == "sub")]
     if other.primitive.name != "sub" or other.invars[0] is not x2:
         raise _Fail
     sub, pos, mlabels = _stat_chain(
@@ -403,13 +495,20 @@ def _softmax(
     )  # fmt: skip
     if sub is not other or pos != 1 or list(mlabels) != _keyless(labels2, key):
         raise _Fail
-    i = _only_user(users, sub.outvars[0])
+    i = _only_user(users, sub.outvars[0], lambda e: e.primitive.name == "exp")
     exp = jaxpr.eqns[i]
     if exp.primitive.name != "exp":
         raise _Fail
-    region.update((i, users[x2][0]))
+    region.update((i, next(j for j in users[x2] if jaxpr.eqns[j] is other)))
     e = exp.outvars[0]
-    us = users.get(e, [])
+    us = _pick(
+        users,
+        e,
+        lambda q: (
+            q.primitive.name == "reduce_sum"
+            or (q.primitive.name == "div" and q.invars[0] is e)
+        ),
+    )
     if len(us) != 2 or min(us) < 0:
         raise _Fail
     by = {jaxpr.eqns[i].primitive.name: i for i in us}
@@ -489,7 +588,7 @@ def _match_at(jaxpr: Jaxpr, users: dict[Any, list[int]], first: int) -> Match:
     else:
         raise _Fail
     p, plabels = _follow_views(jaxpr, users, p, plabels, region)
-    anchor = _only_user(users, p)
+    anchor = _only_user(users, p, lambda e: e.primitive.name == "dot_general")
     dot2 = jaxpr.eqns[anchor]
     if dot2.primitive.name != "dot_general" or not _is_f32(dot2.outvars[0]):
         raise _Fail
@@ -537,7 +636,9 @@ def _match_at(jaxpr: Jaxpr, users: dict[Any, list[int]], first: int) -> Match:
             if not isinstance(u, Literal) and u not in produced and u not in inputs:
                 inputs.append(u)
         for o in jaxpr.eqns[i].outvars:
-            if i != anchor and any(j not in region for j in users.get(o, [])):
+            if i == anchor or (isinstance(users, _Users) and users.forward):
+                continue  # (a differentiated program's are checked by `_backward`)
+            if any(j not in region for j in users.get(o, [])):
                 raise _Fail
     steps = []
     for r in raw_steps:
@@ -608,7 +709,307 @@ def find(jaxpr: Jaxpr, consts: Sequence[Any] = ()) -> dict[int, Match]:
         m = _with_causal(jaxpr, consts, m)
         taken |= m.region
         out[m.anchor] = m
+    backward = _backward_pass(jaxpr)
+    if not backward:
+        return out
+    # A differentiated program: its forward attentions with their backward.
+    fwd_users = _users(jaxpr, ignore=backward | _dead(jaxpr))
+    for i in dots:
+        if i in taken or i in backward:
+            continue
+        try:
+            m = _match_at(jaxpr, fwd_users, i)
+        except (_Fail, ValueError, KeyError, IndexError, TypeError):
+            continue
+        if m.region & taken:
+            continue
+        bwd = _backward(jaxpr, m, users)
+        if bwd is None or bwd.region & taken:
+            continue
+        m = dataclasses.replace(_with_causal(jaxpr, consts, m), backward=bwd)
+        taken |= m.region | bwd.region
+        out[m.anchor] = m
     return out
+
+
+# ----------------------------------------------------------------- differentiated
+
+
+def _backward_pass(jaxpr: Jaxpr) -> frozenset[int]:
+    """The equations of ``jaxpr`` that JAX's transposition emitted."""
+    return frozenset(
+        i
+        for i, e in enumerate(jaxpr.eqns)
+        if "transpose(" in _compat.eqn_name_stack(e.source_info)
+    )
+
+
+def _dead(jaxpr: Jaxpr) -> frozenset[int]:
+    """The equations whose results nothing reads (and that have no effect)."""
+    live = {v for v in jaxpr.outvars if not isinstance(v, Literal)}
+    dead = set()
+    for i in range(len(jaxpr.eqns) - 1, -1, -1):
+        e = jaxpr.eqns[i]
+        if e.effects or any(o in live for o in e.outvars):
+            live.update(v for v in e.invars if not isinstance(v, Literal))
+        else:
+            dead.add(i)
+    return frozenset(dead)
+
+
+def _backward(jaxpr: Jaxpr, m: Match, users: dict[Any, list[int]]) -> Backward | None:
+    """The backward pass of the attention ``m`` (matched in a differentiated
+    program), or ``None`` where it cannot be proven to be exactly it.
+
+    The proof: JAX's ``vjp`` of the matched forward equations, with respect
+    to the queries, keys and values, is traced and each of its values named
+    structurally (primitive, parameters, operands' names; ``jit`` bodies
+    inlined); the program's equations are named the same way, with the
+    attention's inputs and the cotangent of its result as the same leaves.
+    The program's equations that compute a value of that ``vjp`` are its
+    backward pass, and the variables that hold its results the gradients.
+    Nothing else may read their values (nor the forward's intermediates).
+    """
+    dead = _dead(jaxpr)
+    out_var = jaxpr.eqns[m.anchor].outvars[0]
+    p_var = next(u for u in jaxpr.eqns[m.anchor].invars if u is not m.inputs[m.v[0]])
+    # The cotangent is the other operand of the product that computes the
+    # values' gradient from the softmax.
+    cts = []
+    for i in users.get(p_var, []):
+        e = jaxpr.eqns[i] if i >= 0 else None
+        if e is not None and i != m.anchor and e.primitive.name == "dot_general":
+            cts += [
+                u for u in e.invars if u is not p_var and _shape(u) == _shape(out_var)
+            ]
+    for ct in cts:
+        try:
+            bwd = _prove(jaxpr, m, users, dead, ct)
+        except (_Fail, ValueError, KeyError, IndexError, TypeError):
+            continue
+        if bwd is not None:
+            return bwd
+    return None
+
+
+def _aval_struct(v: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(_shape(v), v.aval.dtype)
+
+
+def _prove(
+    jaxpr: Jaxpr, m: Match, users: dict[Any, list[int]], dead: frozenset[int], ct: Any
+) -> Backward | None:
+    region_eqns = [jaxpr.eqns[i] for i in sorted(m.region)]
+    out_var = jaxpr.eqns[m.anchor].outvars[0]
+    diff = sorted({m.q[0], m.k[0], m.v[0]})
+
+    def forward(*vals: Any) -> Any:
+        env = dict(zip(m.inputs, vals, strict=True))
+        for e in region_eqns:
+            outs = _bind(e, [_read(env, u) for u in e.invars])
+            env.update(zip(e.outvars, outs, strict=True))
+        return env[out_var]
+
+    def reference(vals: Sequence[Any], g: Any) -> Any:
+        def of(*d: Any) -> Any:
+            full = list(vals)
+            for j, x in zip(diff, d, strict=True):
+                full[j] = x
+            return forward(*full)
+
+        return jax.vjp(of, *[vals[j] for j in diff])[1](g)
+
+    ref = jax.make_jaxpr(reference)(
+        [_aval_struct(v) for v in m.inputs], _aval_struct(ct)
+    )
+    names = _Names()
+    leaves = [names.leaf(("in", j)) for j in range(len(m.inputs))]
+    leaves.append(names.leaf(("ct",)))
+    ref_ids = names.of_jaxpr(ref.jaxpr, ref.consts, leaves)
+    wanted = names.ancestors(ref_ids) - set(leaves)
+    seeds = dict(zip(m.inputs, leaves[:-1], strict=True))
+    seeds[ct] = leaves[-1]
+    ids = names.of_program(jaxpr, seeds)
+    region = frozenset(
+        i
+        for i, e in enumerate(jaxpr.eqns)
+        if i not in m.region
+        and i not in dead
+        and e.outvars
+        and all(ids.get(o) in wanted for o in e.outvars)
+    )
+    if not region:
+        return None
+    produced = {o: i for i in region for o in jaxpr.eqns[i].outvars}
+    by_id = {ids[o]: o for o in produced}
+    grads = tuple(by_id.get(r) for r in ref_ids)
+    if all(g is None for g in grads):
+        return None
+    # Nothing outside reads the backward's values but its gradients, or the
+    # forward's but the backward (and the result).
+    fwd_out = {o for i in m.region for o in jaxpr.eqns[i].outvars}
+    for o in produced:
+        if o in grads:
+            continue
+        if any(j < 0 or (j not in region and j not in dead) for j in users.get(o, [])):
+            return None
+    saved = []
+    for o in fwd_out:
+        if o is out_var:
+            continue
+        for j in users.get(o, []):
+            if j < 0 or (j not in m.region and j not in region and j not in dead):
+                return None
+            if j in region and o not in saved:
+                saved.append(o)
+    reads: list[Any] = [ct]
+    for i in sorted(region):
+        for u in jaxpr.eqns[i].invars:
+            if isinstance(u, Literal) or u in produced or u in reads:
+                continue
+            if u not in fwd_out and u not in m.inputs:
+                return None
+            reads.append(u)
+    # It runs where its first gradient is read, once its cotangent exists.
+    readers = [
+        j
+        for g in grads
+        if g is not None
+        for j in users.get(g, [])
+        if j not in region and j not in dead
+    ]
+    at = (
+        min((len(jaxpr.eqns) if j < 0 else j) for j in readers)
+        if readers
+        else len(jaxpr.eqns)
+    )
+    ct_at = next((i for i, e in enumerate(jaxpr.eqns) if ct in e.outvars), -1)
+    if not (m.anchor < at and ct_at < at) or ct_at in region or ct_at in m.region:
+        return None
+    first = min(
+        i
+        for i in region
+        if "transpose(" in _compat.eqn_name_stack(jaxpr.eqns[i].source_info)
+    )
+    ops = [m.inputs[m.q[0]], m.inputs[m.k[0]], m.inputs[m.v[0]]]
+    record = new_jaxpr_eqn(
+        [ct, *ops],
+        [g for g in grads if g is not None],
+        ATTENTION_P,
+        {"flops": 2 * m.eqn.params["flops"]},
+        set(),
+        jaxpr.eqns[first].source_info,
+    )
+    full = [None, None, None]
+    for j, pos in enumerate(diff):
+        for slot, spec in enumerate((m.q, m.k, m.v)):
+            if spec[0] == pos:
+                full[slot] = grads[j]
+    inside = set(fwd_out) | set(produced)
+    dropped = set()
+    for i in sorted(dead):
+        e = jaxpr.eqns[i]
+        if any(u in inside for u in e.invars if not isinstance(u, Literal)):
+            dropped.add(i)
+            inside.update(e.outvars)
+    return Backward(
+        dropped=frozenset(dropped),
+        region=region,
+        ct=ct,
+        saved=tuple(saved),
+        reads=tuple(reads),
+        grads=tuple(full),
+        at=at,
+        eqn=record,
+    )
+
+
+def _norm(x: Any) -> Any:
+    """A hashable form of an equation parameter."""
+    if isinstance(x, (tuple, list)):
+        return tuple(_norm(y) for y in x)
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, np.ndarray):
+        return ("array", x.dtype.str, x.shape, x.tobytes())
+    if isinstance(x, (bool, int, float, str, type(None))):
+        return x
+    if isinstance(x, np.dtype):
+        return str(x)
+    return str(x)
+
+
+class _Names:
+    """Structural names of values: equal names, equal computations."""
+
+    def __init__(self) -> None:
+        self.table: dict[Any, int] = {}
+        self.children: dict[int, tuple[int, ...]] = {}
+
+    def _intern(self, key: Any, children: tuple[int, ...] = ()) -> int:
+        n = self.table.setdefault(key, len(self.table))
+        self.children.setdefault(n, children)
+        return n
+
+    def leaf(self, key: Any) -> int:
+        return self._intern(("leaf", key))
+
+    def _literal(self, v: Any) -> int:
+        x = np.asarray(v.val)
+        return self._intern(("lit", x.dtype.str, x.shape, x.tobytes()))
+
+    def _const(self, x: Any) -> int:
+        if _compat.is_tracer(x):
+            return self._intern(("tracer", id(x)))
+        a = np.asarray(x)
+        return self._intern(("const", a.dtype.str, a.shape, a.tobytes()))
+
+    def of_jaxpr(
+        self, jaxpr: Jaxpr, consts: Sequence[Any], ins: Sequence[int]
+    ) -> list[int]:
+        env = {v: self._const(c) for v, c in zip(jaxpr.constvars, consts, strict=True)}
+        env.update(zip(jaxpr.invars, ins, strict=True))
+        self._run(jaxpr, env, {})
+        return [
+            self._literal(v) if isinstance(v, Literal) else env[v]
+            for v in jaxpr.outvars
+        ]
+
+    def of_program(self, jaxpr: Jaxpr, seeds: dict[Any, int]) -> dict[Any, int]:
+        env: dict[Any, int] = {}
+        for v in (*jaxpr.constvars, *jaxpr.invars):
+            env[v] = seeds.get(v, self._intern(("free", id(v))))
+        self._run(jaxpr, env, seeds)
+        return env
+
+    def _run(self, jaxpr: Jaxpr, env: dict[Any, int], seeds: dict[Any, int]) -> None:
+        for e in jaxpr.eqns:
+            ins = tuple(
+                self._literal(u) if isinstance(u, Literal) else env[u] for u in e.invars
+            )
+            inner = (
+                e.params.get("jaxpr") if e.primitive.name in ("jit", "pjit") else None
+            )
+            if inner is not None:
+                body = getattr(inner, "jaxpr", inner)
+                outs = self.of_jaxpr(body, getattr(inner, "consts", ()), ins)
+            else:
+                params = tuple(sorted((k, _norm(v)) for k, v in e.params.items()))
+                key = (e.primitive.name, params, ins)
+                outs = [self._intern((*key, k), ins) for k in range(len(e.outvars))]
+            for o, n in zip(e.outvars, outs, strict=True):
+                env[o] = seeds.get(o, n)
+
+    def ancestors(self, roots: Sequence[int]) -> set[int]:
+        seen: set[int] = set()
+        stack = list(roots)
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            stack.extend(self.children.get(n, ()))
+        return seen
 
 
 # ----------------------------------------------------------------- constant masks

@@ -676,18 +676,38 @@ def eval_jaxpr(
         _note_constant(walk, v, x)
     # A recognised attention runs as one unit when its last equation is
     # reached (its inputs are all computed by then); its other equations wait.
+    # In a differentiated program its backward pass runs as one unit where
+    # its first gradient is read.
     open_jaxpr: Jaxpr = jaxpr  # type: ignore[assignment]
     fusable = _attentions(walk, open_jaxpr, consts)
     skip = {i for m in fusable.values() for i in m.region if i != m.anchor}
+    for m in fusable.values():
+        if m.backward is not None:
+            skip |= m.backward.region | m.backward.dropped
+    due: dict[int, list[Callable[[], None]]] = {}
     for index, eqn in enumerate(jaxpr.eqns):
+        for run_backward in due.pop(index, ()):
+            run_backward()
         if index in skip:
             continue
         match = fusable.get(index)
         if match is None:
             _step(walk, eqn, env, mk)
-        elif not _run_attention(walk, open_jaxpr, match, env, mk):
-            for i in sorted(match.region):
+            continue
+        ran = _run_attention(walk, open_jaxpr, match, env, mk)
+        bwd = match.backward
+        if ran is None:
+            # Unfused: its equations one by one (the backward's forward
+            # residuals with them), the rest of the backward in its place.
+            early = set() if bwd is None else {i for i in bwd.region if i < index}
+            for i in sorted(match.region | early):
                 _step(walk, jaxpr.eqns[i], env, mk)
+            if bwd is not None:
+                skip -= bwd.region - early
+        elif bwd is not None:
+            due.setdefault(bwd.at, []).append(ran)
+    for run_backward in due.pop(len(jaxpr.eqns), ()):
+        run_backward()
     outs = [v.val if type(v) is Literal else env[v] for v in jaxpr.outvars]
     outmarks = [literal_mark() if type(v) is Literal else mk[v] for v in jaxpr.outvars]
     return outs, outmarks
@@ -733,10 +753,12 @@ def _run_attention(
     match: attention.Match,
     env: dict[Any, Any],
     mk: dict[Any, int],
-) -> bool:
+) -> Callable[[], None] | None:
     """Runs a recognised attention as one unit, if its decision says so:
     fused per platform, the other platforms' formulation being its
-    equations run one by one. Returns whether it ran."""
+    equations run one by one. Returns ``None`` where it did not run, else
+    what runs its backward pass (in a differentiated program; else nothing).
+    """
     values = [env[v] for v in match.inputs]
     w = walk.for_eqn(jaxpr.eqns[match.first])
     if w is not walk:
@@ -744,37 +766,105 @@ def _run_attention(
     dtypes = [float_dtype(values[i[0]]) or _F32 for i in (match.q, match.k, match.v)]
     decision = decide_attention(w, match.pattern, dtypes)
     if decision is None:
-        return False
+        return None
     marks = [mk[v] for v in match.inputs]
     out_var = jaxpr.eqns[match.anchor].outvars[0]
     low = np.dtype(decision.dtype)
     region = [jaxpr.eqns[i] for i in sorted(match.region)]
     plain = w.probe()
+    bwd = match.backward
+    saved = () if bwd is None else bwd.saved
+    out_shape = aval_shape(out_var)
 
-    def unfused(*vals: Any) -> Any:
+    def unfused_values(*vals: Any) -> tuple[list[Any], list[int]]:
         local = dict(zip(match.inputs, vals, strict=True))
         lmk = dict(zip(match.inputs, marks, strict=True))
-        for eqn in region:
-            invals = [v.val if type(v) is Literal else local[v] for v in eqn.invars]
-            inmarks = [
-                literal_mark() if type(v) is Literal else lmk[v] for v in eqn.invars
-            ]
-            with _eqn_context(eqn):
-                outs, outmarks = run_eqn(plain.for_eqn(eqn), eqn, invals, inmarks)
-            for v, x, m in zip(eqn.outvars, outs, outmarks, strict=True):
-                local[v], lmk[v] = x, m
-        return cast(local[out_var], low)
+        _run_eqns(plain, region, local, lmk)
+        keep = [out_var, *saved]
+        return [local[v] for v in keep], [lmk[v] for v in keep]
 
-    def cudnn(*vals: Any) -> Any:
+    if bwd is None:
+
+        def unfused(*vals: Any) -> Any:
+            return cast(unfused_values(*vals)[0][0], low)
+
+        def cudnn(*vals: Any) -> Any:
+            try:
+                return attention.fused(match, vals, low, out_shape)
+            except Exception:  # noqa: BLE001  (no cuDNN here, or shapes it refuses)
+                return unfused(*vals)
+
+        with _eqn_context(jaxpr.eqns[match.first]):
+            out = per_platform(
+                tuple(values), platform=w.config.platform, default=unfused, cuda=cudnn
+            )
+        run_backward = None
+    else:
+        # The cuda formulation keeps the fused kernel's residuals for its
+        # derivative, the other the values its backward equations read; each
+        # returns zeros in place of the other's (never read: a lowering
+        # keeps one platform's formulation of both passes).
+        slots = [spec[0] for spec in (match.q, match.k, match.v)]
+
+        def with_vjp(*vals: Any) -> tuple[Any, Any]:
+            def of(qkv: Any) -> Any:
+                full = list(vals)
+                for pos, x in zip(slots, qkv, strict=True):
+                    full[pos] = x
+                return attention.fused(match, full, low, out_shape)
+
+            # (Its operands are cast here; what JAX's implementation mixes
+            # inside is not the user's code.)
+            with jax.numpy_dtype_promotion("standard"):
+                return jax.vjp(of, tuple(cast(vals[pos], low) for pos in slots))
+
+        found: dict[str, Any] = {}
+
+        def residuals_of(*vals: Any) -> Any:
+            leaves, found["tree"] = jax.tree.flatten(with_vjp(*vals)[1])
+            return leaves
+
+        def kept_of(*vals: Any) -> Any:
+            kept, found["marks"] = unfused_values(*vals)
+            return kept
+
         try:
-            return attention.fused(match, vals, low, aval_shape(out_var))
+            res_shapes = jax.eval_shape(residuals_of, *values)
         except Exception:  # noqa: BLE001  (no cuDNN here, or shapes it refuses)
-            return unfused(*vals)
+            res_shapes = None  # every platform runs the equations
+        kept_shapes = jax.eval_shape(kept_of, *values)
+        res_tree, kept_marks = found.get("tree"), found["marks"]
 
-    with _eqn_context(jaxpr.eqns[match.first]):
-        out = per_platform(
-            tuple(values), platform=w.config.platform, default=unfused, cuda=cudnn
-        )
+        def zeros(shapes: Any) -> list[Any]:
+            return [jnp.zeros(x.shape, x.dtype) for x in shapes]
+
+        def unfused_fwd(*vals: Any) -> Any:
+            kept = unfused_values(*vals)[0]
+            return (cast(kept[0], low), *kept[1:], *zeros(res_shapes or ()))
+
+        def cudnn_fwd(*vals: Any) -> Any:
+            out, vjp = with_vjp(*vals)
+            return (out, *zeros(kept_shapes[1:]), *jax.tree.leaves(vjp))
+
+        with _eqn_context(jaxpr.eqns[match.first]):
+            outs = per_platform(
+                tuple(values),
+                platform=w.config.platform,
+                default=unfused_fwd,
+                cuda=unfused_fwd if res_shapes is None else cudnn_fwd,
+            )
+        out = outs[0]
+        for v, x, m_ in zip(
+            saved, outs[1 : 1 + len(saved)], kept_marks[1:], strict=True
+        ):
+            env[v], mk[v] = x, m_
+        residuals = list(outs[1 + len(saved) :])
+
+        def run_backward() -> None:
+            _run_attention_backward(
+                walk, jaxpr, match, env, mk, decision, low, res_tree, residuals
+            )
+
     env[out_var] = out
     mk[out_var] = 0
     if walk.observer is not None:
@@ -788,7 +878,94 @@ def _run_attention(
             w, rec, decision, [low] * len(rec.invars),
             [env[v] for v in rec.invars], [out], rerun,
         )  # fmt: skip
-    return True
+    return run_backward or (lambda: None)
+
+
+def _run_eqns(
+    walk: Walk, eqns: Sequence[JaxprEqn], local: dict[Any, Any], lmk: dict[Any, int]
+) -> None:
+    """Runs ``eqns`` in order in ``local`` (a formulation's own environment)."""
+    for eqn in eqns:
+        invals = [v.val if type(v) is Literal else local[v] for v in eqn.invars]
+        inmarks = [literal_mark() if type(v) is Literal else lmk[v] for v in eqn.invars]
+        with _eqn_context(eqn):
+            outs, outmarks = run_eqn(walk.for_eqn(eqn), eqn, invals, inmarks)
+        for v, x, m in zip(eqn.outvars, outs, outmarks, strict=True):
+            local[v], lmk[v] = x, m
+
+
+def _run_attention_backward(
+    walk: Walk,
+    jaxpr: Jaxpr,
+    match: attention.Match,
+    env: dict[Any, Any],
+    mk: dict[Any, int],
+    decision: Decision,
+    low: np.dtype,
+    res_tree: Any,
+    residuals: list[Any],
+) -> None:
+    """Runs the backward pass of a fused attention: on cuda the fused
+    kernel's derivative, elsewhere its equations one by one."""
+    bwd = match.backward
+    assert bwd is not None
+    eqns = [jaxpr.eqns[i] for i in sorted(bwd.region)]
+    w = walk.for_eqn(bwd.eqn)
+    if w is not walk:
+        _share_tables(walk, w)
+    plain = w.probe()
+    reads = [env[v] for v in bwd.reads]
+    read_marks = [mk[v] for v in bwd.reads]
+    grads = [g for g in bwd.grads if g is not None]
+    found: dict[str, Any] = {}
+
+    def unfused(*vals: Any) -> list[Any]:
+        local = dict(zip(bwd.reads, vals[: len(reads)], strict=True))
+        lmk = dict(zip(bwd.reads, read_marks, strict=True))
+        _run_eqns(plain, eqns, local, lmk)
+        found["marks"] = [lmk[g] for g in grads]
+        return [local[g] for g in grads]
+
+    shapes = jax.eval_shape(unfused, *reads, *residuals)
+
+    def cudnn(*vals: Any) -> list[Any]:
+        vjp = jax.tree.unflatten(res_tree, vals[len(reads) :])
+        with jax.numpy_dtype_promotion("standard"):
+            (cts,) = vjp(cast(vals[0], low))
+        return [
+            cast(x, s.dtype)
+            for x, g, s in zip(
+                (c for c, g in zip(cts, bwd.grads, strict=True) if g is not None),
+                grads,
+                shapes,
+                strict=True,
+            )
+        ]
+
+    with _eqn_context(bwd.eqn):
+        outs = per_platform(
+            (*reads, *residuals),
+            platform=w.config.platform,
+            default=unfused,
+            cuda=unfused if res_tree is None else cudnn,
+        )
+    for g, x, m in zip(grads, outs, found["marks"], strict=True):
+        env[g], mk[g] = x, m
+    if walk.observer is not None:
+        rec = bwd.eqn
+        back = dataclasses.replace(
+            decision,
+            reason=decision.reason.replace("attention (", "attention's gradient (", 1),
+        )
+
+        def rerun(vals: Sequence[Any]) -> list[Any]:
+            del vals
+            raise NotImplementedError("a fused attention is not rerun op by op")
+
+        walk.observer.on_eqn(
+            w, rec, back, [low] * len(rec.invars),
+            [env[v] for v in rec.invars], outs, rerun,
+        )  # fmt: skip
 
 
 def _note_partners(
