@@ -29,6 +29,11 @@ value below ``-1e7`` (after scaling) and the values are contracted over that
 same axis. Dropout on the weights, a softmax over another axis, a per-head
 scale array, or any other normalisation is left alone.
 
+In a differentiated program (a whole train step) the backward pass reads
+the forward's intermediates: there the chain is followed among those reads,
+and its backward pass is found by proof (:func:`_backward`); both run as one
+unit each, or neither does.
+
 Examples:
     >>> import jax, jax.numpy as jnp
     >>> def attn(q, k, v):
