@@ -233,7 +233,7 @@ def xent_optax_label_smoothing():
     return Instance(params, (x, y), loss)
 
 
-# ---------------------------------------------------------------- statistics through scan
+# ------------------------------------------------------- statistics through scan
 
 
 @program()
