@@ -265,6 +265,22 @@ def _is_literal(v) -> bool:
     return isinstance(v, Literal)
 
 
+def _misfits(eqn, low) -> bool:
+    """A literal operand the low dtype cannot hold (beyond its largest value,
+    or non-zero and rounding to 0): the op must run in float32."""
+    info = jnp.finfo(low)
+    for v in eqn.invars:
+        if not (_is_literal(v) and _is_float(v.aval.dtype)):
+            continue
+        a = np.abs(np.asarray(v.val, np.float64))
+        a = a[np.isfinite(a) & (a > 0)]
+        if a.size and (
+            a.max() > float(info.max) or a.min() < float(info.smallest_subnormal) / 2
+        ):
+            return True
+    return False
+
+
 def _is_highest(eqn) -> bool:
     precision = eqn.params.get("precision")
     if precision is None:
@@ -428,7 +444,25 @@ def rule_violations(report, low) -> tuple[list[str], dict[str, int]]:
                 if stat[id(v)] or (op.backward and low == F16):
                     is_bcast = False
                 (follows if is_bcast else anchors).append(got)
-            if not unknown:
+            fill = name in ("select_n", "max", "min", "clamp")  # constants saturate
+            if not unknown and not fill and _misfits(eqn, low):
+                checked["gray"] += 1
+                if float_out[0] != "float32":
+                    bad.append(
+                        f"{where(op)}: a constant {low_name} cannot hold, "
+                        f"returned {float_out[0]}"
+                    )
+            elif (
+                not unknown
+                and "does not fit" in op.reason
+                and any(const.get(id(v)) for v in eqn.invars if not _is_literal(v))
+            ):
+                # A closed-over constant whose value this check does not track
+                # (autocast folds it): its op runs in float32.
+                checked["gray"] += 1
+                if float_out[0] != "float32":
+                    bad.append(f"{where(op)}: a misfit constant, returned low")
+            elif not unknown:
                 anchors = anchors or follows
                 checked["gray"] += 1
                 if "float32" in anchors and float_out[0] != "float32":

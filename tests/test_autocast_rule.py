@@ -574,6 +574,20 @@ def _programs():
     def repeated_dots(w, b, x):
         return jnp.sum((x @ w * 100.0) * (x @ w * 100.0))
 
+    def mask_fill(w, b, x):
+        # jnp.where is a nested jit: its fill arrives as a literal operand.
+        keep = jnp.arange(16)[None, :] < 12
+        logits = jnp.where(keep, x @ w + b[None, :], jnp.finfo(jnp.float32).min)
+        return jax.nn.softmax(logits)
+
+    def constant_dot(w, b, x):
+        return jnp.tanh(x @ w) @ _PROJECTION
+
+    def big_fill(w, b, x):
+        # A fill too large to fold while walking: saturated by a clamp.
+        h = jnp.tile(x @ w + b[None, :], (1, _BIG_FILL.shape[1] // 16))
+        return jnp.max(jnp.where(h > 0, h, _BIG_FILL), axis=-1)
+
     args = (w, b, x)
     return {
         f.__name__: (f, args)
@@ -589,8 +603,17 @@ def _programs():
             scan_xs_stats,
             big_constants,
             repeated_dots,
+            mask_fill,
+            constant_dot,
+            big_fill,
         )
     }
+
+
+# Closed over as NumPy, as user code does: a fixed projection, and a fill too
+# large for the walk to fold (FOLD_LIMIT elements), with a -1e9 mask value.
+_PROJECTION = np.linspace(-1.0, 1.0, 16 * 16, dtype=np.float32).reshape(16, 16)
+_BIG_FILL = np.full((1, 16 * 4200), -1e9, np.float32)
 
 
 # Primitives the dot formulations and the casts add to the jaxpr by

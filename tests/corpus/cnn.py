@@ -215,3 +215,87 @@ def conv1d_sequence():
         return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
     return Instance(params, (tokens, labels), loss)
+
+
+# ---------------------------------------------------------------- pooling
+
+
+LOSS_SCALE = 1024.0
+
+
+def raw_pixels(seed: int, n: int, hw: int, c: int, classes: int):
+    """Un-normalised 8-bit pixel values (0..255), as images are often fed."""
+    x, y = data.images(seed, n, hw, c, classes)
+    return jnp.clip(x * 60.0 + 128.0, 0.0, 255.0), y
+
+
+class PoolCNN(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Conv(8, (3, 3))(x))
+        x = nn.max_pool(x, (2, 2), strides=(2, 2))
+        x = nn.relu(nn.Conv(8, (3, 3))(x))
+        x = nn.avg_pool(x, (16, 16))  # global average pool of a 16x16 map
+        return nn.Dense(4)(x.reshape(x.shape[0], -1))
+
+
+@program("standard_promotion")
+def cnn_global_avg_pool_raw_pixels():
+    """Flax CNN on raw 0..255 pixels: max_pool, then a 16x16 global avg_pool.
+
+    The pooled activations are in the hundreds: a 256-term windowed sum of
+    them overflows float16 unless it accumulates in float32. The loss carries
+    a static loss scale, as float16 training does: the cotangents of
+    activations in the hundreds, averaged over 256 positions, are float16
+    subnormals without one. Flax's avg_pool divides by an int: it needs
+    standard promotion.
+    """
+    model = PoolCNN()
+    x, y = raw_pixels(30, 6, 32, 1, 4)
+    params = data.init(model.init, 31, x)["params"]
+    # He-style gain: the pooled map averages about 300, so its 256-term sum
+    # is beyond float16's largest value.
+    params = {**params, "Conv_1": {**params["Conv_1"]}}
+    params["Conv_1"]["kernel"] = params["Conv_1"]["kernel"] * 6.0
+
+    def loss(params, x, y):
+        logits = model.apply({"params": params}, x) / 1000.0
+        xent = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        return xent * LOSS_SCALE
+
+    return Instance(params, (x, y), loss)
+
+
+@program()
+def cnn_lax_pools_raw_pixels():
+    """lax convs on raw pixels, a max pool and a global pool by reduce_window.
+
+    The global pool is a 16x16 windowed sum of values in the hundreds; the
+    loss is scaled as in :func:`cnn_global_avg_pool_raw_pixels`.
+    """
+    k1, k2, k3 = data.seeds(32, 3)
+    params = {
+        "conv1": data.normal(k1, (3, 3, 3, 8), 1 / np.sqrt(27.0)),
+        "conv2": data.normal(k2, (3, 3, 8, 8), 6 / np.sqrt(72.0)),
+        "dense": data.normal(k3, (8, 4), 1 / np.sqrt(8.0)),
+    }
+    x, y = raw_pixels(33, 4, 32, 3, 4)
+    dn = ("NHWC", "HWIO", "NHWC")
+
+    def loss(p, x, y):
+        h = lax.conv_general_dilated(
+            x, p["conv1"], (1, 1), "SAME", dimension_numbers=dn
+        )
+        h = jax.nn.relu(h)
+        h = lax.reduce_window(h, -jnp.inf, lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
+        h = lax.conv_general_dilated(
+            h, p["conv2"], (1, 1), "SAME", dimension_numbers=dn
+        )
+        h = jax.nn.relu(h)
+        win = (1, 16, 16, 1)
+        pooled = lax.reduce_window(h, 0.0, lax.add, win, win, "VALID") / 256.0
+        logits = pooled.reshape(pooled.shape[0], -1) @ p["dense"] / 1000.0
+        xent = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        return xent * LOSS_SCALE
+
+    return Instance(params, (x, y), loss)

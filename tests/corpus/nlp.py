@@ -111,3 +111,54 @@ def moe_top2():
         return xent + 0.01 * aux
 
     return Instance(params, (x, y), loss)
+
+
+# ---------------------------------------------------------------- large constants
+
+
+def sinusoidal_positions(length: int, d: int):
+    """Transformer positional encoding, as written in tutorials (jnp, traced)."""
+    pos = jnp.arange(length, dtype=jnp.float32)[:, None]
+    i = jnp.arange(0, d, 2, dtype=jnp.float32)
+    angles = pos / (10000.0 ** (i / d))
+    return jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1)
+
+
+# A causal mask closed over as NumPy, with a large negative bias.
+_CAUSAL_BIAS = np.triu(np.full((12, 12), -1e9, np.float32), k=1)
+
+
+@program()
+def constants_out_of_float16_range():
+    """A token model full of constants float16 cannot hold.
+
+    Sinusoidal positions (``10000.0 ** (i / d)``), scores masked with a
+    closed-over NumPy bias of -1e9 and by ``where(..., finfo(float32).min)``,
+    an attention output rescaled by ``* 7e4 / 1e5``, and a loss reported per
+    1e5 samples (``* 1e4 / 1e5``).
+    """
+    vocab, d, t, b = 20, 16, 12, 4
+    ks = data.seeds(90, 4)
+    params = {
+        "embed": data.normal(ks[0], (vocab, d), 0.5),
+        "wq": data.dense(ks[1], d, d),
+        "wk": data.dense(ks[2], d, d),
+        "out": data.dense(ks[3], d, vocab),
+    }
+    tokens, targets = data.tokens(91, b, t, vocab)
+    lengths = jnp.array([12, 9, 7, 12], jnp.int32)
+
+    def loss(p, tokens, targets, lengths):
+        h = p["embed"][tokens] + sinusoidal_positions(t, d)
+        q, k = h @ p["wq"], h @ p["wk"]
+        scores = q @ jnp.swapaxes(k, -1, -2) / np.sqrt(d) + _CAUSAL_BIAS
+        valid = jnp.arange(t)[None, None, :] < lengths[:, None, None]
+        scores = jnp.where(valid, scores, jnp.finfo(jnp.float32).min)
+        # A unit conversion written as two constants, on the attention output.
+        h = h + (jax.nn.softmax(scores, axis=-1) @ h) * 7e4 / 1e5
+        logits = h @ p["out"]
+        logp = jax.nn.log_softmax(logits)
+        nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)
+        return jnp.sum(nll) * 1e4 / 1e5 / b
+
+    return Instance(params, (tokens, targets, lengths), loss)

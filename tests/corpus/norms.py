@@ -231,3 +231,73 @@ def xent_optax_label_smoothing():
         return xent + 1e-3 * l2
 
     return Instance(params, (x, y), loss)
+
+
+# ------------------------------------------------------- statistics through scan
+
+
+@program()
+def layernorm_stats_as_scan_xs():
+    """Per-step layer norm under lax.scan, its mean and variance computed for
+    the whole sequence outside the loop and passed in as ``xs``.
+
+    Padded steps are zero vectors: their rows have zero variance, and with
+    BERT's eps of 1e-12 (0 in float16) only a float32 norm gives 0, not NaN.
+    """
+    d_in, d, t, b = 6, 16, 8, 4
+    ks = data.seeds(80, 3)
+    params = {
+        "w": _dense(ks[0], d_in, d, 2.0),
+        "gamma": data.ones(d),
+        "beta": data.zeros(d),
+        "out": _dense(ks[1], d, 3),
+    }
+    x = data.normal(81, (t, b, d_in)).at[6:].set(0.0)
+    y = jnp.array([0, 1, 2, 1], jnp.int32)
+
+    def loss(p, x, y):
+        h = x @ p["w"]  # [t, b, d]; zero for the padded steps
+        mean = h.mean(-1, keepdims=True)
+        var = h.var(-1, keepdims=True)
+
+        def step(acc, hs):
+            h_t, m_t, v_t = hs
+            z = (h_t - m_t) * lax.rsqrt(v_t + 1e-12) * p["gamma"] + p["beta"]
+            return acc + jnp.tanh(z), None
+
+        acc, _ = lax.scan(step, jnp.zeros((b, d)), (h, mean, var))
+        logits = (acc / t) @ p["out"]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    return Instance(params, (x, y), loss)
+
+
+@program("fn")
+def batchnorm_running_stats_scan():
+    """BatchNorm over micro-batches under lax.scan: running mean and variance
+    (an EMA, as BatchNorm keeps them) carried, each micro-batch normalised by
+    its own statistics; returns the outputs and the final running statistics.
+
+    Inputs in the hundreds; one feature is constant (zero variance).
+    """
+    d_in, d, steps, mb = 8, 16, 6, 12
+    w = _dense(82, d_in, d, 4.0)
+    x = 200.0 + data.normal(83, (steps, mb, d_in), scale=30.0)
+    x = x.at[..., 0].set(250.0)
+    w = w.at[1:, 0].set(0.0)  # feature 0 sees only the constant input: var 0
+
+    def run(w, x):
+        def step(stats, xb):
+            mean_run, var_run = stats
+            h = xb @ w
+            mean = h.mean(0)
+            var = jnp.mean(jnp.square(h - mean), axis=0)
+            z = (h - mean) * lax.rsqrt(var + 1e-5)
+            stats = (0.9 * mean_run + 0.1 * mean, 0.9 * var_run + 0.1 * var)
+            return stats, jax.nn.relu(z)
+
+        init = (jnp.zeros((d,)), jnp.ones((d,)))
+        (mean_run, var_run), zs = lax.scan(step, init, x)
+        return {"outputs": zs, "mean": mean_run, "var": var_run}
+
+    return Instance(w, (x,), run, kind="fn")

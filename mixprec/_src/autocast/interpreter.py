@@ -100,6 +100,19 @@ class Observer(Protocol):
     def on_note(self, walk: Walk, eqn: JaxprEqn, text: str) -> None:
         """Called with something a report should say about ``eqn``."""
 
+    def on_own(
+        self,
+        walk: Walk,
+        eqn: JaxprEqn,
+        decision: Decision,
+        ran_with: Sequence[Any],
+        invals: Sequence[Any],
+        outs: Sequence[Any],
+    ) -> None:
+        """Called for an op autocast adds to the program by itself (not an
+        equation of the walked jaxpr: its operands are not the walk's values),
+        after it ran (see :func:`run_own`)."""
+
     def run_higher_order(self, ctx: CastContext, invals: Sequence[Any]) -> Any:
         """Runs a higher-order equation in place of its rule, or returns
         ``NotImplemented`` to let the rule run it (``diagnose`` steps loops
@@ -443,7 +456,7 @@ def cast_operands(ctx: CastContext, invals: Sequence[Any]) -> list[Any]:
         if narrowing and m & CONST and fill:
             # A fill or a bound (`finfo(float32).min` in a `where`): saturate
             # it; a constant has no gradient, cast it where it is.
-            x = _saturate_constant(ctx.walk, v, x, target)
+            x = _saturate_constant(ctx.walk, eqn, v, x, target)
         elif narrowing and m & CONST:
             pass  # cast where it is: beyond the low range it becomes inf
         elif narrowing and elementwise and not same_shape(aval_shape(v), out_shape):
@@ -453,11 +466,13 @@ def cast_operands(ctx: CastContext, invals: Sequence[Any]) -> list[Any]:
     return out
 
 
-def _saturate_constant(walk: Walk, var: Any, x: Any, dtype: np.dtype) -> Any:
+def _saturate_constant(
+    walk: Walk, eqn: JaxprEqn, var: Any, x: Any, dtype: np.dtype
+) -> Any:
     """A constant about to be cast to ``dtype`` with its finite values clipped
     to ``dtype``'s range (``finfo(float32).min`` must not become ``-inf``)."""
-    if isinstance(var, Literal) or not _compat.is_tracer(x):
-        return clip_to_range(x, dtype)
+    if isinstance(var, Literal) or isinstance(x, np.ndarray | np.generic | float):
+        return clip_to_range(x, dtype)  # clipped in NumPy: no op in the program
     big = float(jnp.finfo(dtype).max)
     known = walk.scalars.get(var)
     if known is not None:
@@ -465,9 +480,68 @@ def _saturate_constant(walk: Walk, var: Any, x: Any, dtype: np.dtype) -> Any:
         if not np.isfinite(value) or abs(value) <= big:
             return x
         return lax.full(np.shape(x), np.copysign(big, value), x.dtype)
-    x_dtype = np.dtype(x.dtype)
-    clipped = lax.clamp(np.asarray(-big, x_dtype), x, np.asarray(big, x_dtype))
-    return lax.select(lax.is_finite(x), clipped, x)
+    fits = walk.ranges.get(var)
+    if fits is not None and fits[0] <= big:
+        return x  # every finite value fits: the cast keeps it
+    # A value unknown while walking (too large to fold, or made where it is
+    # not known): clamp it in the program, and tell the report.
+    reason = (
+        f"autocast's own: saturates a constant to {dtype}'s finite range before "
+        "casting it to a fill op's dtype (finfo(float32).min must not become -inf)"
+    )
+    own = _saturation(tuple(np.shape(x)), np.dtype(x.dtype), big)
+    return run_own(walk, eqn, own, x, reason=reason)
+
+
+@ft.lru_cache(maxsize=256)
+def _saturation(shape: tuple[int, ...], dtype: np.dtype, big: float) -> ClosedJaxpr:
+    def saturate(x: Any) -> Any:
+        clipped = lax.clamp(np.asarray(-big, dtype), x, np.asarray(big, dtype))
+        return lax.select(lax.is_finite(x), clipped, x)
+
+    return jax.make_jaxpr(saturate)(jax.ShapeDtypeStruct(shape, dtype))
+
+
+# The equations `run_own` reports, at the line of the equation they serve, by
+# (that equation, own equation): one report site per pair, however often a
+# loop body is walked.
+_shown: dict[tuple[int, int], tuple[JaxprEqn, JaxprEqn]] = {}
+
+
+def _shown_eqn(user: JaxprEqn, eqn: JaxprEqn) -> JaxprEqn:
+    key = (id(user), id(eqn))
+    hit = _shown.get(key)
+    if hit is None or hit[0] is not user:
+        if len(_shown) > 4096:
+            _shown.clear()
+        hit = (user, eqn.replace(source_info=user.source_info))
+        _shown[key] = hit
+    return hit[1]
+
+
+def run_own(
+    walk: Walk, user: JaxprEqn, own: ClosedJaxpr, x: Any, *, reason: str
+) -> Any:
+    """Runs ``own`` (one input, one output) on ``x``: float32 ops autocast adds
+    to the program by itself for the equation ``user``. Each is reported to
+    the observer (``explain`` records it, with ``reason``, at ``user``'s
+    line), so that the report lists every op the program runs."""
+    env: dict[Any, Any] = {own.jaxpr.invars[0]: x}
+    for eqn in own.jaxpr.eqns:
+        invals = [v.val if type(v) is Literal else env[v] for v in eqn.invars]
+        outs = bind_as_written(eqn, invals)
+        env.update(zip(eqn.outvars, outs, strict=True))
+        if walk.observer is None:
+            continue
+        spec = ops.spec_for(eqn.primitive.name)
+        op_class = spec.op_class if spec is not None else None
+        decision = Decision(Precision.FLOAT32, _F32, op_class, reason)
+        ran = [
+            np.dtype(getattr(v, "dtype", None) or np.asarray(v).dtype) for v in invals
+        ]
+        walk.observer.on_own(walk, _shown_eqn(user, eqn), decision, ran, invals, outs)
+    [out] = [v.val if type(v) is Literal else env[v] for v in own.jaxpr.outvars]
+    return out
 
 
 def _broadcast_to(x: Any, shape: Sequence[Any]) -> Any:
@@ -650,7 +724,9 @@ def eval_jaxpr(
         marks: per invar, the marks of its value (default: none).
         known: the values of the first invars when they are constants known
             before the walk (the closed-over constants the front door passes
-            as arguments): their ranges decide whether they fit the low dtype.
+            as arguments, the constant operands of a nested ``jit``; ``None``
+            where unknown): their ranges decide whether they fit the low
+            dtype, and a fill of a known scalar saturates without a clamp.
 
     Returns:
         The output values and their marks.
@@ -1026,9 +1102,13 @@ def _note_constant(walk: Walk, var: Any, x: Any) -> None:
         walk.ranges[var] = value_range(x)
     if np.size(x) <= FOLD_LIMIT:
         walk.values[var] = np.asarray(x)
+    if np.ndim(x) == 0:
+        walk.scalars[var] = np.asarray(x)  # a fill of it saturates without a clamp
 
 
-def _known_value(walk: Walk, var: Any) -> Any:
+def known_value(walk: Walk, var: Any) -> Any:
+    """The value of a constant operand known while walking (a literal, a small
+    closed-over array, a constant folded from those), or ``None``."""
     if type(var) is Literal:
         return np.asarray(var.val)
     if var in walk.values:
@@ -1052,7 +1132,7 @@ def _fold_constant(walk: Walk, eqn: JaxprEqn, inmarks: Sequence[int]) -> None:
         return
     if out in walk.scalars:
         return  # a view of a known scalar: its range is known
-    args = [_known_value(walk, v) for v in eqn.invars]
+    args = [known_value(walk, v) for v in eqn.invars]
     if any(a is None for a in args):
         return
     try:

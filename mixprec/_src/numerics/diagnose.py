@@ -659,21 +659,38 @@ class _Comparer:
         args: Sequence[Any],
         ref_args: Sequence[Any],
         marks: Sequence[int],
+        known: Sequence[Any] = (),
     ) -> tuple[list[Any], list[Any], list[int]]:
         """Walks a body on both streams: returns the autocast results, the
-        reference results and the result marks."""
+        reference results and the result marks (``known``: the values of
+        constant arguments, as autocast's rule gives them)."""
         if isinstance(jaxpr, ClosedJaxpr):
             self.seed(jaxpr.jaxpr.constvars, jaxpr.consts)
             inner = jaxpr.jaxpr
         else:
             inner = jaxpr
         self.seed(inner.invars, ref_args)
-        outs, out_marks = itp.eval_jaxpr(walk, jaxpr, (), list(args), list(marks))
+        outs, out_marks = itp.eval_jaxpr(
+            walk, jaxpr, (), list(args), list(marks), known
+        )
         return outs, self.read(inner.outvars), out_marks
 
     def on_note(self, walk: Walk, eqn: Any, text: str) -> None:
         del walk, eqn
         self.notes.append(text)
+
+    def on_own(
+        self,
+        walk: Walk,
+        eqn: Any,
+        decision: Any,
+        ran_with: Sequence[Any],
+        invals: Sequence[Any],
+        outs: Sequence[Any],
+    ) -> None:
+        # An op autocast adds (a clamp) has no float32 counterpart: it is
+        # listed, compared with itself.
+        self._compare(walk, eqn, decision, ran_with, invals, invals, outs, outs, None)
 
     # -- higher-order equations ---------------------------------------------
     def run_higher_order(self, ctx: CastContext, invals: Sequence[Any]) -> Any:
@@ -689,7 +706,7 @@ class _Comparer:
         elif (body := calls.call_body(ctx)) is not None:
             sub, jaxpr = body
             outs, ref_out, marks = self._walk_body(
-                sub, jaxpr, invals, ref_in, ctx.marks
+                sub, jaxpr, invals, ref_in, ctx.marks, calls.known_operands(ctx)
             )
             ctx.out_marks[:] = marks
         else:

@@ -510,6 +510,18 @@ class Recorder:
         del walk, eqn
         self.notes.append(text)
 
+    def on_own(
+        self,
+        walk: Any,
+        eqn: jex_core.JaxprEqn,
+        decision: Any,
+        ran_with: Sequence[Any],
+        invals: Sequence[Any],
+        outs: Sequence[Any],
+    ) -> None:
+        """An op autocast adds by itself is recorded like the user's ops."""
+        self.on_eqn(walk, eqn, decision, ran_with, invals, outs)
+
     def run_higher_order(self, ctx: Any, invals: Any) -> Any:
         """Lets each higher-order rule run its equation (``explain`` observes
         the walk that autocast stages out)."""

@@ -27,6 +27,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, primitives as P
 from mixprec._src import _compat
 from mixprec._src.autocast import interpreter as itp, ops
 from mixprec._src.autocast.avals import float_dtype
+from mixprec._src.autocast.decide import CONST
 from mixprec._src.autocast.interpreter import CastContext, Walk
 from mixprec._src.autocast.rules.default import aval_of, cast_all, transform_jaxpr
 
@@ -70,6 +71,26 @@ def call_body(ctx: CastContext) -> tuple[Walk, Any] | None:
     return walk.body(label, composite=composite), jaxpr
 
 
+def known_operands(ctx: CastContext) -> list[Any]:
+    """Per operand of a nested ``jit``, the value of a constant the walk knows
+    (a literal such as ``jnp.where``'s fill, a small closed-over array), else
+    ``None``; empty for other equations. The body is walked knowing them, as
+    if inlined: a constant it cannot cast keeps its op in float32, and a fill
+    saturates without a clamp."""
+    if _CALL_BODIES.get(ctx.eqn.primitive.name, (None, None))[1] != "jit":
+        return []
+    return [
+        itp.known_value(ctx.walk, v) if m & CONST else None
+        for v, m in zip(ctx.eqn.invars, ctx.marks, strict=True)
+    ]
+
+
+def _known_key(known: Sequence[Any]) -> tuple[Any, ...]:
+    return tuple(
+        None if x is None else (x.dtype.str, x.shape, x.tobytes()) for x in known
+    )
+
+
 # ------------------------------------------------------------------ jit
 
 # Transformed bodies of nested jits, per (operand types and marks, walk), weak
@@ -81,9 +102,11 @@ def _jit_rule(ctx: CastContext, *invals: Any, jaxpr: ClosedJaxpr, **params: Any)
     walk = ctx.walk
     name = str(params.get("name", "jit"))
     in_avals = [aval_of(x) for x in invals]
+    known = known_operands(ctx)
     key = None
     if walk.observer is None:
         key = (tuple(in_avals), tuple(ctx.marks), walk.key, walk.path)
+        key += _known_key(known)
         try:
             hit = _jit_cache.get(jaxpr, {}).get(key)
         except TypeError:  # unhashable avals
@@ -93,7 +116,9 @@ def _jit_rule(ctx: CastContext, *invals: Any, jaxpr: ClosedJaxpr, **params: Any)
             ctx.out_marks[:] = marks
             return P.jit_p.bind(*invals, jaxpr=new_jaxpr, **params)
     sub, _ = call_body(ctx)  # type: ignore[misc]
-    new_jaxpr, marks = transform_jaxpr(sub, jaxpr, in_avals, ctx.marks, name=name)
+    new_jaxpr, marks = transform_jaxpr(
+        sub, jaxpr, in_avals, ctx.marks, name=name, known=known
+    )
     if key is not None and not any(_compat.is_tracer(c) for c in new_jaxpr.consts):
         _jit_cache.setdefault(jaxpr, {})[key] = (new_jaxpr, marks)
     ctx.out_marks[:] = marks

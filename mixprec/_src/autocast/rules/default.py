@@ -51,16 +51,19 @@ def transform_jaxpr(
     *,
     out_dtypes: Sequence[Any] | None = None,
     name: str = "body",
+    known: Sequence[Any] = (),
 ) -> tuple[ClosedJaxpr, list[int]]:
     """Interprets ``jaxpr`` with ``walk`` at ``in_avals`` and traces it.
 
     Floating results are cast to ``out_dtypes`` (``None`` entries: left as they
-    come). Returns the new closed jaxpr and the marks of its results.
+    come); ``known`` are the values of constant inputs known while walking
+    (see :func:`~mixprec._src.autocast.interpreter.eval_jaxpr`). Returns the
+    new closed jaxpr and the marks of its results.
     """
     box: dict[str, list[int]] = {}
 
     def fun(*args: Any) -> list[Any]:
-        outs, marks = itp.eval_jaxpr(walk, jaxpr, (), args, in_marks)
+        outs, marks = itp.eval_jaxpr(walk, jaxpr, (), args, in_marks, known)
         box["marks"] = marks
         if out_dtypes is not None:
             outs = cast_all(outs, out_dtypes)

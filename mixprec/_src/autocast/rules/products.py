@@ -9,6 +9,10 @@ CPU the float32 accumulator, elsewhere the 16-bit result widened); it is kept,
 where the entry says so, for a bias add right after the product (the epilogue
 of :func:`~mixprec._src.autocast.decide.decide_epilogue`: one rounding, and
 on CPU one XLA kernel fewer per layer).
+
+A constant operand is cast like any other op's: one the low dtype cannot hold
+was decided float32 (:func:`~mixprec._src.autocast.decide.misfit`), any other
+is cast as it is, so the product adds no clamp to the program.
 """
 
 from __future__ import annotations
@@ -42,17 +46,6 @@ def _low_dtype(ctx: CastContext, lhs: Any, rhs: Any) -> np.dtype | None:
     ):
         return None
     return d.dtype
-
-
-def _saturated(ctx: CastContext, vals: tuple[Any, ...], low: np.dtype) -> list[Any]:
-    """Constant operands saturate instead of overflowing when rounded."""
-    out = []
-    for x, m in zip(vals, ctx.marks[: len(vals)], strict=True):
-        dt = float_dtype(x)
-        if m & CONST and dt is not None and dt.itemsize > low.itemsize:
-            x = itp.clip_to_range(x, low)
-        out.append(x)
-    return out
 
 
 def _reduce_dtype(
@@ -150,7 +143,6 @@ def _product_rule(
     low = _low_dtype(ctx, lhs, rhs)
     if low is None:
         return itp.default_rule(ctx.eqn.primitive, ctx, lhs, rhs, *extra, **params)
-    lhs, rhs = _saturated(ctx, (lhs, rhs), low)
     reduce, gradient = _reduce_dtype(ctx, (lhs, rhs), d.out_dtype or low)
     lhs, rhs = (
         _rounded_input(ctx, x, m, low)
