@@ -20,7 +20,8 @@ Per variant and device-step, from the HLO right after SPMD partitioning (the
 partitioner's decision; XLA:CPU later widens every bfloat16 collective to
 float32, so the optimized HLO would show float32): the bytes of each collective
 kind (all-gather, all-reduce, reduce-scatter, all-to-all, collective-permute) by
-dtype, the result size of each collective instruction, summed. Also the
+dtype, the result size of each collective instruction, summed; how many
+all-gathers read each parameter (or a copy of it: rounded, laid out). Also the
 compiled step's temp memory (``memory_analysis().temp_size_in_bytes``) and the
 loss after ``--steps`` steps against ``float32``'s.
 
@@ -137,6 +138,72 @@ def collective_bytes(hlo_text: str) -> dict[str, dict[str, int]]:
             n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
             out[kind][dtype] += n * _ITEMSIZE[dtype]
     return {k: dict(v) for k, v in out.items()}
+
+
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%(\S+)\s*=\s*(.*)$")
+_OPCODE = re.compile(r"^(?:\([^=]*?\)|\S+)\s+([\w-]+)\(")
+# What a parameter may pass through between its rounding and its gather.
+_PASS_THROUGH = ("convert", "reshape", "transpose", "copy", "bitcast", "opt-barrier")
+
+
+def parameter_gathers(hlo_text: str) -> dict[int, list[str]]:
+    """Per entry parameter, the dtypes of the all-gathers of it: of the
+    parameter itself or of a copy of it (converted, reshaped, transposed,
+    behind an optimization barrier).
+
+    Examples:
+        >>> text = '''
+        ...   %p = f32[8,4]{1,0} parameter(1), sharding={devices=[8,1]<=[8]}
+        ...   %c = bf16[8,4]{1,0} convert(%p)
+        ...   %t = (bf16[8,4]{1,0}) tuple(%c)
+        ...   %b = (bf16[8,4]{1,0}) opt-barrier(%t)
+        ...   %g = bf16[8,4]{1,0} get-tuple-element(%b), index=0
+        ...   %ag = bf16[64,4]{1,0} all-gather(%g), dimensions={0}
+        ...   %ag2 = bf16[64,4]{1,0} all-gather(%c), dimensions={0}
+        ... '''
+        >>> parameter_gathers(text)
+        {1: ['bf16', 'bf16']}
+    """
+    defs = {}
+    for line in hlo_text.splitlines():
+        m = _INSTR.match(line)
+        if m:
+            defs[m.group(1)] = m.group(2)
+
+    def opcode(text: str) -> str:
+        m = _OPCODE.match(text)
+        return m.group(1) if m else ""
+
+    def operands(text: str) -> list[str]:
+        return re.findall(r"%([\w.\-]+)", text.split("(", 1)[1]) if "(" in text else []
+
+    def source(name: str) -> int | None:
+        while name in defs:
+            text = defs[name]
+            kind = opcode(text)
+            if kind == "parameter":
+                return int(text.split("parameter(", 1)[1].split(")", 1)[0])
+            if kind == "get-tuple-element":
+                index = int(text.split("index=", 1)[1].split(",", 1)[0])
+                barrier = defs.get(operands(text)[0], "")
+                tup = defs.get((operands(barrier) or [""])[0], "")
+                if opcode(barrier) != "opt-barrier" or opcode(tup) != "tuple":
+                    return None
+                name = operands(tup)[index]
+            elif kind in _PASS_THROUGH:
+                name = operands(text)[0]
+            else:
+                return None
+        return None
+
+    out: dict[int, list[str]] = collections.defaultdict(list)
+    for text in defs.values():
+        if opcode(text) not in ("all-gather", "all-gather-start"):
+            continue
+        src = source(operands(text)[0])
+        if src is not None:
+            out[src].append(text.split("[", 1)[0])
+    return dict(sorted(out.items()))
 
 
 def partitioned_hlo(lowered: Any) -> tuple[str, Any]:
@@ -388,6 +455,7 @@ def run_variant(wl: Workload, size: Size, variant: str, steps: int) -> dict[str,
     return {
         "variant": variant,
         "collectives": collective_bytes(hlo),
+        "parameter_gathers": {str(k): v for k, v in parameter_gathers(hlo).items()},
         "temp_bytes": int(getattr(mem, "temp_size_in_bytes", 0))
         if mem is not None
         else None,
@@ -457,11 +525,20 @@ def _cell(c: dict[str, dict[str, int]], kinds: tuple[str, ...]) -> str:
     return " + ".join(parts) or "0"
 
 
+def _per_parameter(gathers: dict[str, list[str]]) -> str:
+    """The most all-gathers of any one parameter, and their dtypes."""
+    if not gathers:
+        return "0"
+    most = max(len(v) for v in gathers.values())
+    dtypes = sorted({d for v in gathers.values() for d in v})
+    return f"{most} ({', '.join(dtypes)})"
+
+
 def table(results: dict[str, list[dict[str, Any]]]) -> str:
     lines = [
-        "| workload | variant | all-gather MB | all-reduce + reduce-scatter MB "
-        "| other MB | temp MB | loss - float32 |",
-        "|---|---|---|---|---|---:|---:|",
+        "| workload | variant | all-gather MB | gathers per parameter "
+        "| all-reduce + reduce-scatter MB | other MB | temp MB | loss - float32 |",
+        "|---|---|---|---|---|---|---:|---:|",
     ]
     for wl, rows in results.items():
         ref = rows[0]["losses"][-1]
@@ -469,6 +546,7 @@ def table(results: dict[str, list[dict[str, Any]]]) -> str:
             c = r["collectives"]
             lines.append(
                 f"| {wl} | {r['variant']} | {_cell(c, ('all-gather',))} | "
+                f"{_per_parameter(r.get('parameter_gathers', {}))} | "
                 f"{_cell(c, ('all-reduce', 'reduce-scatter'))} | "
                 f"{_cell(c, ('all-to-all', 'collective-permute'))} | "
                 f"{_mb(r['temp_bytes'] or 0)} | {r['losses'][-1] - ref:+.2e} |"

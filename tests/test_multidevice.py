@@ -364,6 +364,83 @@ def test_gradient_reductions_follow_the_policy(
         assert bool(jnp.all(jnp.isfinite(leaf)))
 
 
+def _three_layer_loss(p, x):
+    # Every weight but the first is read by a backward product too (the
+    # gradient of its input), so a formulation that lays out or rounds a
+    # parameter per product gathers it more than once.
+    h = jax.nn.gelu(x @ p["w1"])
+    h = jax.nn.gelu(h @ p["w2"])
+    return jnp.mean((h @ p["w3"]) ** 2)
+
+
+def _gather_step(where, formulation):
+    if where == "hand_bf16":
+
+        def loss(p, x):
+            p16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), p)
+            return _three_layer_loss(p16, x.astype(jnp.bfloat16)).astype(jnp.float32)
+
+        return lambda p, x: _sgd(p, jax.grad(loss)(p, x))
+    if formulation == "gpu":
+        # The GPU formulation, pinned (CastConfig.platform): its partitioned
+        # program, compiled here for the CPU devices.
+        from mixprec._src.autocast import api, config
+
+        make = api.make_config
+        api.make_config = ft.partial(config.make_config, platform="cuda")
+        try:
+            return _comm_step_for(where, "mixed_bfloat16", _three_layer_loss)
+        finally:
+            api.make_config = make
+    return _comm_step_for(where, "mixed_bfloat16", _three_layer_loss)
+
+
+def _comm_step_for(where, policy, loss):
+    if where == "whole_step":
+        return mixprec.autocast(lambda p, x: _sgd(p, jax.grad(loss)(p, x)), policy)
+    return lambda p, x: _sgd(p, jax.grad(mixprec.autocast(loss, policy))(p, x))
+
+
+@pytest.mark.parametrize(
+    "where,formulation,dtype",
+    [
+        ("hand_bf16", "native", "bf16"),
+        ("whole_step", "native", "bf16"),
+        ("loss_only", "native", "bf16"),
+        ("whole_step", "gpu", "bf16"),
+        ("loss_only", "gpu", "bf16"),
+        # Emulated: float32 GEMMs on rounded weights, widened where JAX lowers
+        # the dot (before the partitioner gathers): once, in float32.
+        ("whole_step", "emulated", "f32"),
+    ],
+)
+def test_each_sharded_weight_is_gathered_once(mesh, where, formulation, dtype):
+    # FSDP: the weights sharded on their first axis. Read from the program
+    # right after SPMD partitioning: the forward and the backward products of
+    # a weight read one rounded copy, so the partitioner gathers each weight
+    # once per step, as in hand-written bfloat16 code.
+    ps = NamedSharding(mesh, P("data"))
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(5), 4)
+    p = {
+        "w1": jax.device_put(jax.random.normal(k1, (64, 128)) * 0.1, ps),
+        "w2": jax.device_put(jax.random.normal(k2, (128, 128)) * 0.1, ps),
+        "w3": jax.device_put(jax.random.normal(k3, (128, 64)) * 0.1, ps),
+    }
+    x = jax.device_put(jax.random.normal(k4, (128, 64)), ps)
+    with capability.override("native" if formulation == "gpu" else formulation):
+        step = _gather_step(where, formulation)
+        hlo, compiled = _BENCH.partitioned_hlo(jax.jit(step).lower(p, x))
+    gathers = _BENCH.parameter_gathers(hlo)
+    # Entry parameters 0, 1, 2: w1, w2, w3 (the dict's order); 3 is x.
+    assert {k: gathers.get(k) for k in range(3)} == {k: [dtype] for k in range(3)}, (
+        gathers
+    )
+    p1 = compiled(p, x)
+    for leaf in jax.tree.leaves(p1):
+        assert leaf.dtype == jnp.float32 and leaf.sharding.spec == P("data")
+        assert bool(jnp.all(jnp.isfinite(leaf)))
+
+
 def test_bfloat16_reductions_stay_within_bfloat16_tolerance(mesh):
     p, x = _comm_inputs(mesh, fsdp=False)
     ref = jax.jit(lambda p, x: _sgd(p, jax.grad(_mlp_loss)(p, x)))(p, x)

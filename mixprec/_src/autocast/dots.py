@@ -88,8 +88,10 @@ __all__ = [
     "dot_general_product",
     "formulation",
     "formulation_note",
+    "Rounded",
     "ragged_dot_dims",
     "ragged_dot_product",
+    "rounded",
     "wide_dot_general",
 ]
 
@@ -300,6 +302,7 @@ def _contract(
     precision: Any,
     acc_dtype: np.dtype,
     native: bool = True,
+    pinned: tuple[bool, bool] = (False, False),
 ) -> jax.Array:
     """An einsum of two operands as one canonical matmul, result in ``acc_dtype``.
 
@@ -328,6 +331,7 @@ def _contract(
         # The output wants b's free dimensions first: compute b . a.
         a, a_labels, b, b_labels = b, b_labels, a, a_labels
         a_free, b_free = b_free, a_free
+        pinned = (pinned[1], pinned[0])
         if isinstance(precision, tuple):
             precision = precision[::-1]
     if not all(isinstance(d, int) for d in sizes.values()):
@@ -382,8 +386,12 @@ def _contract(
     # the operands, or of the result, e.g. the user's ``y.T``) back into the dot
     # after XLA:CPU has decided to run it in bf16: a folded, non-canonical
     # bf16 x bf16 -> f32 dot has no kernel in jaxlib 0.10.2 and fails at run time
-    # with ``Unsupported element type for DotThunk::Execute``.
-    a_c, b_c = lax.optimization_barrier((a_c, b_c))
+    # with ``Unsupported element type for DotThunk::Execute``. A pinned operand
+    # used as it is already sits behind a barrier shared by its products.
+    a_c, b_c = (
+        x if pin and x is orig else lax.optimization_barrier(x)
+        for x, orig, pin in ((a_c, a, pinned[0]), (b_c, b, pinned[1]))
+    )
     out = lax.dot_general(
         a_c, b_c, dims, precision=precision, preferred_element_type=acc_dtype
     )
@@ -418,12 +426,14 @@ def _canonical_dot(
     precision: Any,
     acc_dtype: np.dtype,
     native: bool = True,
+    pinned: tuple[bool, bool] = (False, False),
 ) -> jax.Array:
     """``lax.dot_general(lhs, rhs, dn)`` through :func:`_contract`."""
     lhs_labels, rhs_labels, out_labels = _dot_labels(lhs.ndim, rhs.ndim, dn)
     return _contract(
-        lhs, lhs_labels, rhs, rhs_labels, out_labels, precision, acc_dtype, native
-    )
+        lhs, lhs_labels, rhs, rhs_labels, out_labels, precision, acc_dtype, native,
+        pinned,
+    )  # fmt: skip
 
 
 def _canonical_dot_vjp(
@@ -463,22 +473,91 @@ class _Plan(NamedTuple):
     reduce: np.dtype | None = None
 
 
-def _cpu_forward(plan: _Plan, lhs_l: jax.Array, rhs_l: jax.Array) -> jax.Array:
+class Rounded(NamedTuple):
+    """An input of the function (a parameter) rounded once for all the products
+    that read it (:func:`rounded`).
+
+    Under a sharded parameter (FSDP) the partitioner gathers a value where a
+    product needs it whole, once per value: every product, forward and
+    backward, on every platform, reads these fields as they are, so each
+    parameter is gathered once, and in ``low`` where the GEMM takes 16 bits.
+
+    Attributes:
+        low: the rounded parameter; on CPU behind an optimization barrier of
+            its own, so that the canonical layout needs no barrier per product.
+        wide: its float32 copy for the CPU's emulated formulation (float32
+            GEMMs on rounded operands), made once; ``None`` otherwise. JAX
+            lowers the widening before the dot, so the partitioner gathers
+            this copy, in float32.
+    """
+
+    low: jax.Array
+    wide: jax.Array | None = None
+
+
+def _identity(x: jax.Array) -> jax.Array:
+    return x
+
+
+def _round_once(x: jax.Array, low: np.dtype, cpu: str, platform: str | None) -> Rounded:
+    x_low = x.astype(low)
+    pinned = per_platform(
+        (x_low,), platform=platform, cpu=lax.optimization_barrier, default=_identity
+    )
+    wide = None
+    if cpu == "emulated" and platform in (None, "cpu"):
+        # Outside the platform branch: one copy for every product (off CPU it
+        # has no reader and XLA drops it).
+        wide = pinned.astype(_F32)
+    return Rounded(pinned, wide)
+
+
+def rounded(
+    x: ArrayLike,
+    low_dtype: DTypeLike,
+    *,
+    platform: str | None = None,
+    cpu_bf16: str | None = None,
+) -> Rounded:
+    """``x`` rounded to ``low_dtype`` once, for every :func:`wide_dot_general`
+    that reads it (pass the :class:`Rounded` as its operand).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> r = rounded(jnp.ones((3, 4)), jnp.bfloat16, platform="cpu",
+      ...             cpu_bf16="emulated")
+      >>> r.low.dtype, r.wide.dtype
+      (dtype(bfloat16), dtype('float32'))
+    """
+    low = np.dtype(low_dtype)
+    plat = canonical_platform(platform)
+    return _round_once(jnp.asarray(x), low, _cpu_kind(low, cpu_bf16), plat)
+
+
+def _value(x: Any) -> jax.Array:
+    return x.low if isinstance(x, Rounded) else x
+
+
+def _cpu_forward(
+    plan: _Plan, pinned: tuple[bool, bool], lhs: Rounded, rhs: Rounded
+) -> jax.Array:
     """The float32 product of rounded operands on CPU."""
     if plan.cpu == "emulated":
-        return _rounded_f32_dot(lhs_l, rhs_l, plan.dn, plan.precision, plan.emit)
+        a, b = (x.low if x.wide is None else x.wide for x in (lhs, rhs))
+        return _rounded_f32_dot(a, b, plan.dn, plan.precision, plan.emit)
     return _canonical_dot(
-        lhs_l, rhs_l, plan.dn, plan.precision, plan.emit or _F32, plan.cpu == "native"
-    ).astype(_F32)
+        lhs.low, rhs.low, plan.dn, plan.precision, plan.emit or _F32,
+        plan.cpu == "native", pinned,
+    ).astype(_F32)  # fmt: skip
 
 
-def _accelerator_forward(plan: _Plan, lhs_l: jax.Array, rhs_l: jax.Array) -> jax.Array:
+def _accelerator_forward(plan: _Plan, lhs: Rounded, rhs: Rounded) -> jax.Array:
     """``low x low -> low`` (cuBLAS and the TPU MXU accumulate in float32),
     widened to float32: the same numbers, for one result type per platform;
     ``low x low -> float32`` when the caller keeps a float32 result."""
     out = lax.dot_general(
-        lhs_l,
-        rhs_l,
+        lhs.low,
+        rhs.low,
         plan.dn,
         precision=plan.precision,
         preferred_element_type=_accelerator_emit(plan),
@@ -493,11 +572,16 @@ def _accelerator_emit(plan: _Plan) -> np.dtype | None:
 
 
 def _forward(plan: _Plan, platform: str | None, lhs: Any, rhs: Any) -> jax.Array:
-    lhs_l, rhs_l = lhs.astype(plan.low), rhs.astype(plan.low)
+    # Only what differs per platform is inside the branches: a rounding or a
+    # copy made there is made per product, and gathered per product.
+    pinned = (isinstance(lhs, Rounded), isinstance(rhs, Rounded))
+    lhs, rhs = (
+        x if isinstance(x, Rounded) else Rounded(x.astype(plan.low)) for x in (lhs, rhs)
+    )
     return per_platform(
-        (lhs_l, rhs_l),
+        (lhs, rhs),
         platform=platform,
-        cpu=ft.partial(_cpu_forward, plan),
+        cpu=ft.partial(_cpu_forward, plan, pinned),
         default=ft.partial(_accelerator_forward, plan),
     )
 
@@ -518,19 +602,6 @@ def _rounded_f32_dot(
         precision=precision,
         preferred_element_type=emit,
     ).astype(_F32)
-
-
-def _saved(x: jax.Array, x_low: jax.Array, alive: bool) -> jax.Array:
-    """What the product keeps of one operand for the backward pass.
-
-    An operand that stays alive for the whole call anyway (``alive``: an
-    input of the transformed function, such as a float32 parameter) is kept
-    as it is: that costs nothing, while a 16-bit copy would be new memory;
-    the backward pass rounds it again where its platform computes in 16 bits.
-    Anything else (an activation) is kept in the low dtype, half of float32's
-    bytes.
-    """
-    return x if alive else x_low
 
 
 # An operand's (ndim, dtype): static, for the cotangent it gets back.
@@ -559,7 +630,8 @@ def _cotangents(
 ) -> tuple[jax.Array | None, jax.Array | None]:
     """``d_lhs = g . rhs`` and ``d_rhs = g . lhs`` (``None`` where the other
     operand was not kept: its cotangent is not needed). ``contract(a,
-    a_labels, b, b_labels, out_labels, out_dtype)`` computes one product."""
+    a_labels, b, b_labels, out_labels, out_dtype, side)`` computes one
+    product; ``side`` is the operand ``b`` was (0: lhs, 1: rhs)."""
     (lhs_ndim, lhs_dtype), (rhs_ndim, rhs_dtype) = lhs_meta, rhs_meta
     lhs_labels, rhs_labels, out_labels = _dot_labels(lhs_ndim, rhs_ndim, plan.dn)
     cast = plan.low if low_inputs else _F32
@@ -568,32 +640,33 @@ def _cotangents(
     if kept_rhs is not None:
         d_lhs = contract(
             g, out_labels, kept_rhs.astype(cast), rhs_labels, lhs_labels,
-            _cotangent_dtype(plan, lhs_dtype),
+            _cotangent_dtype(plan, lhs_dtype), 1,
         ).astype(lhs_dtype)  # fmt: skip
     if kept_lhs is not None:
         d_rhs = contract(
             g, out_labels, kept_lhs.astype(cast), lhs_labels, rhs_labels,
-            _cotangent_dtype(plan, rhs_dtype),
+            _cotangent_dtype(plan, rhs_dtype), 0,
         ).astype(rhs_dtype)  # fmt: skip
     return d_lhs, d_rhs
 
 
-def _cpu_backward(plan, lhs_meta, rhs_meta, g, kept_lhs, kept_rhs):
+def _cpu_backward(plan, lhs_meta, rhs_meta, alive, g, kept_lhs, kept_rhs):
     # native: bfloat16 x bfloat16 -> float32 GEMMs in the canonical layout.
     # emulated: plain float32 dots (no canonical layout), the transposes JAX
-    # would emit for a float32 dot; the cotangent and the float32 operands
-    # kept as they are are not rounded: that would cost passes and buy no
-    # speed. float16 (no native kernel): rounded operands, float32
-    # accumulation.
+    # would emit for a float32 dot; the cotangent is not rounded: that would
+    # cost a pass and buy no speed. float16 (no native kernel): rounded
+    # operands, float32 accumulation.
     native = plan.cpu == "native"
 
-    def contract(a, a_labels, b, b_labels, out_labels, out_dtype):
+    def contract(a, a_labels, b, b_labels, out_labels, out_dtype, side):
         # float32 accumulators, written narrower only for a parameter's
-        # gradient under a narrower reduce dtype.
+        # gradient under a narrower reduce dtype. A kept parameter is the
+        # forward's pinned rounding: read as it is.
         acc = out_dtype if out_dtype == plan.reduce else _F32
         return _contract(
-            a, a_labels, b, b_labels, out_labels, plan.precision, acc, native
-        ).astype(_F32)
+            a, a_labels, b, b_labels, out_labels, plan.precision, acc, native,
+            (False, alive[side]),
+        ).astype(_F32)  # fmt: skip
 
     return _cotangents(
         plan, g, kept_lhs, kept_rhs, lhs_meta, rhs_meta,
@@ -605,7 +678,8 @@ def _accelerator_backward(plan, lhs_meta, rhs_meta, g, kept_lhs, kept_rhs):
     # 16-bit GEMMs. A cotangent for a float32 operand (a master weight) comes
     # out of the GEMM in float32 (accumulated there, never rounded to 16
     # bits); one for a 16-bit operand (an activation) in 16 bits.
-    def contract(a, a_labels, b, b_labels, out_labels, out_dtype):
+    def contract(a, a_labels, b, b_labels, out_labels, out_dtype, side):
+        del side
         out_dtype = np.dtype(out_dtype)
         preferred = out_dtype if out_dtype != plan.low else None
         return labeled_dot(
@@ -628,31 +702,47 @@ def _low_dot(
     rhs_meta: _Meta,
     alive: tuple[bool, bool],
 ) -> jax.Array:
-    del lhs_meta, rhs_meta, alive
-    return _forward(plan, platform, lhs, rhs)
+    del lhs_meta, rhs_meta
+    return _forward(plan, platform, *_operands(plan, platform, alive, lhs, rhs))
+
+
+def _operands(
+    plan: _Plan, platform: str | None, alive: tuple[bool, bool], *xs: jax.Array
+) -> list[Any]:
+    """Each operand rounded for the forward product: an input of the function
+    (``alive``, a parameter) as a :class:`Rounded` that the backward pass
+    reuses, anything else (an activation) plainly."""
+    return [
+        _round_once(x, plan.low, plan.cpu, platform) if a else x.astype(plan.low)
+        for x, a in zip(xs, alive, strict=True)
+    ]
 
 
 def _low_dot_fwd(lhs, rhs, plan, platform, lhs_meta, rhs_meta, alive):
     # Symbolic zeros: `lhs` and `rhs` come with `.perturbed`, so an operand is
     # kept only when the other one's cotangent is needed (as JAX does for its
     # own dots: the first layer's weight is not kept for the input's gradient).
+    # What is kept is the rounding the forward product read, parameters
+    # included: one rounded (and, sharded, one gathered) copy for both passes,
+    # as hand-written 16-bit code keeps; the backward pass never rounds again.
     del lhs_meta, rhs_meta
-    lhs_l, rhs_l = lhs.value.astype(plan.low), rhs.value.astype(plan.low)
-    res = _forward(plan, platform, lhs.value, rhs.value)
-    keep_lhs = _saved(lhs.value, lhs_l, alive[0]) if rhs.perturbed else None
-    keep_rhs = _saved(rhs.value, rhs_l, alive[1]) if lhs.perturbed else None
-    return res, (keep_lhs, keep_rhs)
+    ops = _operands(plan, platform, alive, lhs.value, rhs.value)
+    res = _forward(plan, platform, *ops)
+    keep_lhs, keep_rhs = (_value(x) for x in ops)
+    return res, (
+        keep_lhs if rhs.perturbed else None,
+        keep_rhs if lhs.perturbed else None,
+    )
 
 
 def _low_dot_bwd(plan, platform, lhs_meta, rhs_meta, alive, residuals, g):
-    del alive
     kept_lhs, kept_rhs = residuals
     if _compat.is_symbolic_zero(g):
         return None, None
     return per_platform(
         (g, kept_lhs, kept_rhs),
         platform=platform,
-        cpu=ft.partial(_cpu_backward, plan, lhs_meta, rhs_meta),
+        cpu=ft.partial(_cpu_backward, plan, lhs_meta, rhs_meta, alive),
         default=ft.partial(_accelerator_backward, plan, lhs_meta, rhs_meta),
     )
 
@@ -779,8 +869,8 @@ def formulation_note(
 
 
 def dot_general(
-    lhs: ArrayLike,
-    rhs: ArrayLike,
+    lhs: ArrayLike | Rounded,
+    rhs: ArrayLike | Rounded,
     *,
     dimension_numbers: Any,
     precision: Any = None,
@@ -804,13 +894,15 @@ def dot_general(
     on GPU/TPU ``low x low -> low``. Under reverse-mode AD the product is a
     ``custom_vjp`` whose backward products are formulated the same way (16-bit
     GEMMs where those are fast); it keeps each operand for them in the low
-    dtype, or as it is when it stays ``alive`` anyway (a parameter).
+    dtype, the very rounding the forward product read (for an operand that is
+    ``alive``, a parameter, the one copy that a partitioner gathers).
     Gradients with respect to ``lhs`` and ``rhs`` come back in their own
     dtypes.
 
     Args:
-      lhs: left operand (any floating dtype).
-      rhs: right operand (any floating dtype).
+      lhs: left operand (any floating dtype), or a parameter rounded once for
+        every product that reads it (:func:`rounded`), read as it is.
+      rhs: right operand, likewise.
       dimension_numbers: as for ``jax.lax.dot_general``.
       precision: as for ``jax.lax.dot_general``.
       preferred_element_type: the original equation's parameter. It is not
@@ -828,9 +920,9 @@ def dot_general(
       cpu_bf16: for bfloat16 on CPU: ``"native"`` (bfloat16 GEMMs) or
         ``"emulated"`` (float32 GEMMs on rounded operands); ``None``: what this
         CPU has (:func:`mixprec._src.autocast.capability.cpu_bf16`).
-      alive: per operand, whether it stays alive for the whole call anyway
-        (an input of the transformed function), so that the backward pass
-        keeps it as it is rather than in a 16-bit copy.
+      alive: per operand, whether it is an input of the transformed function
+        (a parameter): its rounding is pinned (on CPU, behind one barrier) and
+        kept for the backward pass, so that both passes read one value.
       reduce_dtype: the dtype gradients are reduced in (the policy's): the
         backward products write a float32 operand's cotangent (a parameter's
         gradient) in it, and with ``gradient=True`` this product writes its
@@ -872,8 +964,8 @@ def dot_general(
 
 
 def wide_dot_general(
-    lhs: ArrayLike,
-    rhs: ArrayLike,
+    lhs: ArrayLike | Rounded,
+    rhs: ArrayLike | Rounded,
     *,
     dimension_numbers: Any,
     precision: Any = None,
@@ -902,8 +994,8 @@ def wide_dot_general(
       ...                  low_dtype=jnp.bfloat16, out_dtype=jnp.bfloat16).dtype
       dtype('float32')
     """
-    lhs = jnp.asarray(lhs)
-    rhs = jnp.asarray(rhs)
+    given = (lhs, rhs)
+    lhs, rhs = (x.low if isinstance(x, Rounded) else jnp.asarray(x) for x in given)
     low, out = _check_dtypes("dot_general", low_dtype, out_dtype)
     dn = _canon_dn(dimension_numbers)
     if not (_is_float(lhs) and _is_float(rhs)):
@@ -928,7 +1020,11 @@ def wide_dot_general(
             default=ft.partial(_explicit_accelerator, plan, out, out_sharding),
         )
     if forward_mode_ad:
-        return _forward(plan, plat, lhs, rhs)
+        # A Rounded operand is read as it is, shared with the other products.
+        return _forward(plan, plat, *(
+            x if isinstance(x, Rounded) else v
+            for x, v in zip(given, (lhs, rhs), strict=True)
+        ))  # fmt: skip
     lhs_meta, rhs_meta = (lhs.ndim, lhs.dtype), (rhs.ndim, rhs.dtype)
     keep = (bool(alive[0]), bool(alive[1]))
     return _low_dot(lhs, rhs, plan, plat, lhs_meta, rhs_meta, keep)
@@ -1209,8 +1305,9 @@ def conv_product(
     (JAX's own derivative rules, in both modes)."""
     del extra, out_dtype, custom_vjp, cpu_bf16, alive, reduce_dtype, gradient
     return conv_general_dilated(
-        lhs, rhs, low_dtype=low_dtype, out_dtype=_F32, platform=platform, **params
-    )
+        _value(lhs), _value(rhs), low_dtype=low_dtype, out_dtype=_F32,
+        platform=platform, **params,
+    )  # fmt: skip
 
 
 def ragged_dot_dims(
@@ -1275,7 +1372,7 @@ def ragged_dot_product(
         return res.astype(_F32)
 
     return per_platform(
-        (lhs.astype(low_dtype), rhs.astype(low_dtype), group_sizes),
+        (_value(lhs).astype(low_dtype), _value(rhs).astype(low_dtype), group_sizes),
         platform=platform,
         cpu=ft.partial(run, _F32),
         default=ft.partial(run, _F32 if wide_out else None),

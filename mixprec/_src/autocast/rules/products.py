@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from jax import lax
 
-from mixprec._src.autocast import interpreter as itp, ops
+from mixprec._src.autocast import dots, interpreter as itp, ops
 from mixprec._src.autocast.avals import float_dtype
 from mixprec._src.autocast.decide import CONST, GRAD, INPUT, Precision
 from mixprec._src.autocast.interpreter import CastContext
@@ -78,23 +78,29 @@ def _rounded_input(ctx: CastContext, x: Any, mark: int, low: np.dtype) -> Any:
     """An input of the function (a parameter) rounded to ``low`` once per walk.
 
     The forward product and the backward products that read one parameter
-    share its rounding: one ``convert`` in the program, so that under a
-    sharded parameter (FSDP) the partitioner gathers it once, in ``low``, and
-    the backward pass reuses the gathered copy (as hand-written 16-bit code
-    does). A policy whose gather dtype is wider than ``low`` leaves the
-    rounding to each product (after the gather).
+    share its rounding (:class:`~mixprec._src.autocast.dots.Rounded`: one
+    ``convert``, and what a platform's formulation needs of it made once,
+    outside the platform branches), so that under a sharded parameter (FSDP)
+    the partitioner gathers it once, in ``low``, and the backward pass reuses
+    the gathered copy (as hand-written 16-bit code does). A policy whose
+    gather dtype is wider than ``low`` leaves the rounding to each product
+    (after the gather).
     """
     dt = float_dtype(x)
-    if not mark & INPUT or mark & CONST or dt is None or dt.itemsize <= low.itemsize:
+    if not mark & INPUT or mark & CONST or dt is None or dt.itemsize < low.itemsize:
         return x
     if ctx.config.policy.gather_dtype is not None or ctx.config.custom_vjp_dots:
-        # The custom_vjp formulation keeps a float32 weight for its backward
-        # products and returns its gradient from the GEMM in float32.
+        # The custom_vjp formulation takes the float32 weight, to return its
+        # gradient from the GEMM in float32; it shares its rounding between
+        # its own forward and backward products.
         return x
     key = (id(x), low)
     hit = ctx.walk.casts.get(key)
     if hit is None or hit[0] is not x:
-        hit = (x, lax.convert_element_type(x, low))
+        hit = (
+            x,
+            dots.rounded(x, low, platform=ctx.platform, cpu_bf16=ctx.config.cpu_bf16),
+        )
         ctx.walk.casts[key] = hit
     return hit[1]
 
