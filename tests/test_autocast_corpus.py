@@ -528,7 +528,14 @@ def test_dtype_rule(name, policy):
             and len(op.out_shapes[0]) >= 3
             and op.out_dtypes[0] == str(low)
         ]
-        assert fills, "no attention mask fill ran in the low dtype"
+        # A recognised attention takes its mask into one unit (on a CPU the
+        # same ops run inside it, the fill among them).
+        fused = [
+            op
+            for op in report.ops
+            if op.primitive == "dot_product_attention" and "mask" in op.reason
+        ]
+        assert fills or fused, "no attention mask fill ran in the low dtype"
     # The loss's transcendental ops and sums ran in float32.
     for prim in ("exp", "log", "reduce_sum"):
         for op in report.find(prim):
