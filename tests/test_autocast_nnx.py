@@ -3,10 +3,17 @@
 NNX objects are updated in place (``optimizer.update``, batch-norm statistics,
 ``nnx.Rngs`` counters, metrics). autocast runs the function on their state and
 writes the state back, as ``nnx.jit`` does; a plain pytree transformation
-would update copies and drop every update without a word.
+would update copies and drop every update without a word. The last section is
+a corpus of NNX programs written as Flax's examples write them, wrapped whole
+and run against ``nnx.jit`` in float32.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import functools as ft
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +21,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import BF16, F16, F32, assert_trees_close
+from helpers import BF16, F16, F32, assert_trees_close, tol
 
 import mixprec
 from mixprec._src.autocast import api
@@ -435,3 +442,398 @@ def test_explain_and_diagnose_run_calls_that_create_variables():
     assert report.find("dot_general")
     assert not hasattr(model, "kl_loss")  # nothing written back
     assert jax.tree.all(jax.tree.map(np.array_equal, before, _state(model)))
+
+
+# --- A corpus of NNX programs, written as Flax's examples write them ----------
+#
+# Each program is a `create_model()` and a `train_step(...)` in the style of
+# Flax's NNX examples (the MNIST tutorial, `05_vae`, `10_fsdp_and_optimizer`),
+# both wrapped whole with `mixprec.autocast` and run eagerly, against the same
+# program under `nnx.jit` in float32. The tests/corpus/ harness takes pytrees
+# (params in, loss out), so these live here: what is under test is what
+# autocast does to NNX objects going in and coming out.
+
+
+class _CNN(nnx.Module):
+    """The MNIST tutorial's CNN (BatchNorm, Dropout, average pooling), on the
+    8x8 digits."""
+
+    def __init__(self, *, rngs):
+        # No conv bias before a batch norm: its gradient is rounding noise,
+        # which Adam turns into full-size steps that float32 does not take.
+        conv = ft.partial(nnx.Conv, kernel_size=(3, 3), use_bias=False, rngs=rngs)
+        self.conv1 = conv(1, 16)
+        self.batch_norm1 = nnx.BatchNorm(16, rngs=rngs)
+        self.dropout1 = nnx.Dropout(rate=0.025, rngs=rngs)
+        self.conv2 = conv(16, 32)
+        self.batch_norm2 = nnx.BatchNorm(32, rngs=rngs)
+        self.avg_pool = ft.partial(nnx.avg_pool, window_shape=(2, 2), strides=(2, 2))
+        self.linear1 = nnx.Linear(32 * 2 * 2, 64, rngs=rngs)
+        self.dropout2 = nnx.Dropout(rate=0.025, rngs=rngs)
+        self.linear2 = nnx.Linear(64, 10, rngs=rngs)
+
+    def __call__(self, x):
+        x = self.avg_pool(nnx.relu(self.batch_norm1(self.conv1(x))))
+        x = self.dropout1(x)
+        x = self.avg_pool(nnx.relu(self.batch_norm2(self.conv2(x))))
+        x = x.reshape(x.shape[0], -1)
+        x = nnx.relu(self.dropout2(self.linear1(x)))
+        return self.linear2(x)
+
+
+def _cnn_create_model():
+    model = _CNN(rngs=nnx.Rngs(0, dropout=1))
+    optimizer = nnx.Optimizer(model, optax.adamw(3e-3, 0.9), wrt=nnx.Param)
+    metrics = nnx.MultiMetric(
+        accuracy=nnx.metrics.Accuracy(), loss=nnx.metrics.Average("loss")
+    )
+    return model, optimizer, metrics
+
+
+def _cnn_loss_fn(model, batch):
+    logits = model(batch["image"])
+    loss = optax.softmax_cross_entropy_with_integer_labels(
+        logits=logits, labels=batch["label"]
+    ).mean()
+    return loss, logits
+
+
+def _cnn_train_step(model, optimizer, metrics, batch):
+    # Returns nothing: the model, optimizer and metrics are updated in place.
+    grad_fn = nnx.value_and_grad(_cnn_loss_fn, has_aux=True)
+    (loss, logits), grads = grad_fn(model, batch)
+    metrics.update(loss=loss, logits=logits, labels=batch["label"])
+    optimizer.update(model, grads)
+
+
+def _cnn_train_step_functional(model, optimizer, metrics, batch):
+    _cnn_train_step(model, optimizer, metrics, batch)
+    return model, optimizer, metrics
+
+
+def _mlp_bn_create_model():
+    # nnx.ModelAndOptimizer holds the model (`optimizer.model`); its
+    # `update(grads)` writes through it.
+    model = _Net(nnx.Rngs(0, dropout=1))
+    return model, nnx.ModelAndOptimizer(model, optax.sgd(0.05, momentum=0.9))
+
+
+def _mlp_bn_train_step(model, optimizer, x, y):
+    loss, grads = nnx.value_and_grad(_loss)(model, x, y)
+    optimizer.update(grads)
+    return loss
+
+
+def _mlp_bn_train_step_functional(model, optimizer, x, y):
+    loss = _mlp_bn_train_step(model, optimizer, x, y)
+    return model, optimizer, loss
+
+
+def _sgd_step_functional(model, optimizer, x, y):
+    loss = _sgd_step(model, optimizer, x, y)
+    return model, optimizer, loss
+
+
+class _Loss(nnx.Variable):
+    pass
+
+
+class _VAEEncoder(nnx.Module):
+    def __init__(self, din, dmid, dout, *, rngs):
+        self.linear1 = nnx.Linear(din, dmid, rngs=rngs)
+        self.linear_mean = nnx.Linear(dmid, dout, rngs=rngs)
+        self.linear_std = nnx.Linear(dmid, dout, rngs=rngs)
+        self.rngs = rngs
+
+    def __call__(self, x):
+        x = jax.nn.relu(self.linear1(x.reshape((x.shape[0], -1))))
+        mean = self.linear_mean(x)
+        std = jnp.exp(self.linear_std(x))
+        # A Variable created in every call, as in `05_vae`.
+        self.kl_loss = _Loss(
+            jnp.mean(0.5 * jnp.mean(-jnp.log(std**2) - 1.0 + std**2 + mean**2, -1))
+        )
+        return mean + std * jax.random.normal(self.rngs.noise(), mean.shape)
+
+
+class _VAE(nnx.Module):
+    def __init__(self, din, hidden, latent, *, rngs):
+        self.encoder = _VAEEncoder(din, hidden, latent, rngs=rngs)
+        self.decoder = nnx.Sequential(
+            nnx.Linear(latent, hidden, rngs=rngs),
+            nnx.relu,
+            nnx.Linear(hidden, din, rngs=rngs),
+        )
+
+    def __call__(self, x):
+        return self.decoder(self.encoder(x))
+
+
+def _vae_create_model():
+    model = _VAE(64, 32, 8, rngs=nnx.Rngs(0, noise=1))
+    return model, nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.Param)
+
+
+def _vae_corpus_train_step(model, optimizer, x):
+    def loss_fn(model):
+        logits = model(x)
+        kl_loss = sum(jax.tree.leaves(nnx.pop(model, _Loss)), 0.0)
+        reconstruction = jnp.mean(optax.sigmoid_binary_cross_entropy(logits, x))
+        return reconstruction + 0.1 * kl_loss
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+
+def _vae_sigmoid_forward(model, x):
+    return jax.nn.sigmoid(model(x))
+
+
+@ft.cache
+def _digit_batches():
+    from corpus.data import digits_or_synthetic
+
+    x, y, _, _ = digits_or_synthetic()
+    return x[:64], y[:64]
+
+
+def _digits_batch(i):
+    x, y = _digit_batches()
+    x, y = jnp.roll(x, 16 * i, axis=0), jnp.roll(y, 16 * i, axis=0)
+    return ({"image": x.reshape(-1, 8, 8, 1), "label": y},)
+
+
+def _binary_digits(i):
+    x, _ = _digit_batches()
+    return ((jnp.roll(x, 16 * i, axis=0) > 0.25).astype(F32),)
+
+
+@dataclasses.dataclass(frozen=True)
+class _NNXProgram:
+    """``create_model() -> objects``; ``train_step(*objects, *batches(i))``.
+
+    Attributes:
+        returns: the train step returns its objects (``model, optimizer, ...``,
+            then the loss unless ``loss`` reads it elsewhere), as functional
+            loops rebind them; they must be the caller's objects.
+        loss: the training loss after a step, from the step's output and the
+            objects (default: the output, or its last element).
+        shared: pairs ``(a, b)`` of one program's objects that are one Python
+            object (Variables an optimizer shares with the model).
+        forward: a second function run (wrapped too) after training.
+        steps: train steps run.
+    """
+
+    create_model: Callable[[], tuple]
+    train_step: Callable[..., Any]
+    batches: Callable[[int], tuple]
+    returns: int = 0
+    loss: Callable[[Any, tuple], Any] | None = None
+    shared: Callable[[tuple], list[tuple[Any, Any]]] = lambda objects: []
+    forward: Callable[..., Any] | None = None
+    steps: int = 4
+    standard_promotion: bool = True  # optax's adam and Flax's metrics
+
+
+def _metrics_loss(out, objects):
+    del out
+    return objects[2].compute()["loss"]
+
+
+def _fsdp_shared(objects):
+    model, optimizer = objects
+    return [(optimizer.params[k], getattr(model, k)) for k in ("w1", "b1", "w2")]
+
+
+def _model_and_optimizer_shared(objects):
+    model, optimizer = objects
+    return [(optimizer.model, model), (optimizer.model.bn.mean, model.bn.mean)]
+
+
+_NNX_PROGRAMS = {
+    "mnist_cnn": _NNXProgram(
+        _cnn_create_model, _cnn_train_step, _digits_batch, loss=_metrics_loss
+    ),
+    "mnist_cnn_functional": _NNXProgram(
+        _cnn_create_model,
+        _cnn_train_step_functional,
+        _digits_batch,
+        returns=3,
+        loss=_metrics_loss,
+    ),
+    "model_and_optimizer": _NNXProgram(
+        _mlp_bn_create_model,
+        _mlp_bn_train_step,
+        lambda i: (_X, _Y),
+        shared=_model_and_optimizer_shared,
+        standard_promotion=False,
+    ),
+    "model_and_optimizer_functional": _NNXProgram(
+        _mlp_bn_create_model,
+        _mlp_bn_train_step_functional,
+        lambda i: (_X, _Y),
+        returns=2,
+        shared=_model_and_optimizer_shared,
+        standard_promotion=False,
+    ),
+    "fsdp_sgd": _NNXProgram(
+        _create_model, _sgd_step, lambda i: (_XS, _YS), shared=_fsdp_shared, steps=8
+    ),
+    "fsdp_sgd_functional": _NNXProgram(
+        _create_model,
+        _sgd_step_functional,
+        lambda i: (_XS, _YS),
+        returns=2,
+        shared=_fsdp_shared,
+        steps=8,
+    ),
+    "vae": _NNXProgram(
+        _vae_create_model,
+        _vae_corpus_train_step,
+        _binary_digits,
+        forward=_vae_sigmoid_forward,
+    ),
+}
+
+# The mixed policies, and one whose outputs are 16-bit: the objects' state
+# (parameters, batch statistics, optimizer state, metrics) must stay float32
+# all the same.
+_NNX_POLICIES = {
+    "mixed_bfloat16": BF16,
+    "mixed_float16": F16,
+    "p=f32,c=bf16,o=bf16": BF16,
+}
+
+
+def _nnx_cases():
+    cases = []
+    for name, prog in _NNX_PROGRAMS.items():
+        marks = [pytest.mark.standard_promotion] if prog.standard_promotion else []
+        for policy in _NNX_POLICIES:
+            cases.append(pytest.param(name, policy, marks=marks, id=f"{name}-{policy}"))
+    return cases
+
+
+def _graph_objects(objects):
+    """The NNX objects and Variables in the graph of ``objects``, by path (the
+    pytrees between them, such as an optax state, are rebuilt by nnx.jit too)."""
+    return {
+        path: x
+        for path, x in nnx.graph.iter_graph(objects)
+        if isinstance(x, nnx.Variable) or nnx.graph.is_graph_node(x)
+    }
+
+
+def _train(prog, wrap):
+    """Runs ``prog`` with ``wrap`` around both of its functions: the objects,
+    the losses, and the forward's output and the objects after it."""
+    objects = wrap(prog.create_model)()
+    for a, b in prog.shared(objects):
+        assert a is b, "an object shared at creation came back as two"
+    before = _graph_objects(objects)
+    step = wrap(prog.train_step)
+    losses = []
+    for i in range(prog.steps):
+        out = step(*objects, *prog.batches(i))
+        if prog.returns:
+            returned = out[: prog.returns]
+            assert all(a is b for a, b in zip(returned, objects, strict=False)), (
+                "the train step returned copies of the caller's objects"
+            )
+            objects = (*returned, *objects[prog.returns :])
+        if prog.loss is not None:
+            losses.append(prog.loss(out, objects))
+        else:
+            losses.append(out[-1] if prog.returns else out)
+    for a, b in prog.shared(objects):
+        assert a is b, "an object shared by the model and optimizer came apart"
+    after = _graph_objects(objects)
+    assert after.keys() == before.keys()
+    assert all(after[k] is before[k] for k in before), (
+        "the caller's Variables were replaced, not updated"
+    )
+    forward = None
+    if prog.forward is not None:
+        out = wrap(prog.forward)(objects[0], *prog.batches(prog.steps))
+        kl = objects[0].encoder.kl_loss
+        forward = out, type(kl), kl[...]
+    return objects, losses, forward
+
+
+def _assert_state_close(got, want):
+    """Normwise per leaf, against the larger of its norm and 1% of the whole
+    object's state: a bias whose true gradient is about zero (Adam's moments
+    of it) is held to the object's scale, not to its own rounding noise.
+
+    bfloat16's gradient tolerance under both policies: without loss scaling, a
+    float16 step rounds small gradients to few bits (subnormals), and Adam
+    normalises what is left; that is a float16 fact, not a lost update.
+    """
+    t = tol(BF16, grad=True)
+    pairs = [
+        (
+            jax.tree_util.keystr(path),
+            np.asarray(a, np.float64),
+            np.asarray(b, np.float64),
+        )
+        for (path, a), b in zip(
+            jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), strict=True
+        )
+        if b.dtype.kind == "f"
+    ]
+    total = np.sqrt(sum(np.sum(b**2) for _, _, b in pairs))
+    for path, a, b in pairs:
+        err = np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-2 * total, 1e-30)
+        assert err <= t, f"state{path}: normwise error {err:.3g} > {t:g}"
+
+
+@pytest.fixture
+def _rank_promotion():
+    # Flax's examples add biases by rank promotion (`x @ w1 + b1`).
+    with jax.numpy_rank_promotion("allow"):
+        yield
+
+
+_nnx_reference = ft.cache(lambda name: _train(_NNX_PROGRAMS[name], nnx.jit))
+
+
+@pytest.mark.usefixtures("_rank_promotion")
+@pytest.mark.parametrize("name,policy", _nnx_cases())
+def test_nnx_program_trains_like_float32(name, policy):
+    prog = _NNX_PROGRAMS[name]
+    low = _NNX_POLICIES[policy]
+    out_dtype = mixprec.get_policy(policy).output_dtype
+    want_objects, want_losses, want_forward = _nnx_reference(name)
+    objects, losses, forward = _train(prog, lambda f: mixprec.autocast(f, policy))
+
+    # Returned values other than objects take the policy's output dtype; the
+    # objects' state keeps what float32 code gives it.
+    if prog.loss is None:
+        assert all(jnp.result_type(v) == out_dtype for v in losses)
+    want, got = _state(*want_objects), _state(*objects)
+    assert jax.tree.map(lambda a: a.dtype, got) == jax.tree.map(lambda a: a.dtype, want)
+    floats = lambda t: [a for a in jax.tree.leaves(t) if a.dtype.kind == "f"]  # noqa: E731
+    assert all(a.dtype == F32 for a in floats(got))
+    # The same objects and Variables, shared alike (iter_graph visits a shared
+    # one once, at its first path).
+    kinds = lambda objs: {p: type(x) for p, x in _graph_objects(objs).items()}  # noqa: E731
+    assert kinds(objects) == kinds(want_objects)
+
+    # It trained as float32 did.
+    losses = np.array([float(v) for v in losses])
+    assert losses[-1] < losses[0]
+    assert_trees_close(losses, np.array([float(v) for v in want_losses]), dtype=low)
+    assert got.keys() == want.keys()
+    for k in want:  # one object at a time
+        _assert_state_close(got[k], want[k])
+    ints = lambda t: [a for a in jax.tree.leaves(t) if a.dtype.kind in "iu"]  # noqa: E731
+    assert [a.tolist() for a in ints(got)] == [a.tolist() for a in ints(want)]
+
+    if prog.forward is not None:
+        # The forward pass stored a Variable on the caller's encoder.
+        (y, kind, kl), (want_y, _, want_kl) = forward, want_forward
+        assert y.dtype == out_dtype
+        assert kind is _Loss and kl.dtype == F32
+        # Of a model trained in low precision: the state's tolerance.
+        assert_trees_close((y.astype(F32), kl), (want_y, want_kl), dtype=low, grad=True)
