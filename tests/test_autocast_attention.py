@@ -319,6 +319,18 @@ def test_whole_step_that_reads_the_weights_elsewhere_stays_unfused():
     assert len(_attention_entries(plain, q, k, v)) == 2
 
 
+def test_whole_step_with_one_array_as_queries_and_keys_is_right(monkeypatch):
+    # The array's gradient is the sum of two of the kernel's: not fused, and
+    # the gradients stay those of float32.
+    monkeypatch.setattr(attention, "_IMPLEMENTATION", "xla")
+    _pin_cuda_attention(monkeypatch)
+    q, _, v = _qkv()
+    grad = jax.grad(lambda x, v: _sum_loss(gpt_causal)(x, x, v), argnums=(0, 1))
+    assert _attention_entries(grad, q, v) == []
+    got = jax.jit(mixprec.autocast(grad, "mixed_bfloat16"))(q, v)
+    assert_trees_close(got, grad(q, v), dtype=jnp.bfloat16, grad=True)
+
+
 def test_whole_step_under_remat_is_correct_unfused():
     # `jax.checkpoint` puts the forward and the backward in different
     # jaxprs: nothing to prove, nothing fused, gradients still right.

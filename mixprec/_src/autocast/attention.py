@@ -807,6 +807,8 @@ def _prove(
     region_eqns = [jaxpr.eqns[i] for i in sorted(m.region)]
     out_var = jaxpr.eqns[m.anchor].outvars[0]
     diff = sorted({m.q[0], m.k[0], m.v[0]})
+    if len(diff) < 3:
+        return None  # one array as two of them: its gradient is a sum (not fused)
 
     def forward(*vals: Any) -> Any:
         env = dict(zip(m.inputs, vals, strict=True))
@@ -905,7 +907,7 @@ def _prove(
         set(),
         jaxpr.eqns[first].source_info,
     )
-    full = [None, None, None]
+    full: list[Any] = [None, None, None]
     for j, pos in enumerate(diff):
         for slot, spec in enumerate((m.q, m.k, m.v)):
             if spec[0] == pos:

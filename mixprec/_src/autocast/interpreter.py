@@ -851,6 +851,7 @@ def _run_attention(
     bwd = match.backward
     saved = () if bwd is None else bwd.saved
     out_shape = aval_shape(out_var)
+    run_backward: Callable[[], None] | None = None
 
     def unfused_values(*vals: Any) -> tuple[list[Any], list[int]]:
         local = dict(zip(match.inputs, vals, strict=True))
@@ -874,7 +875,6 @@ def _run_attention(
             out = per_platform(
                 tuple(values), platform=w.config.platform, default=unfused, cuda=cudnn
             )
-        run_backward = None
     else:
         # The cuda formulation keeps the fused kernel's residuals for its
         # derivative, the other the values its backward equations read; each
@@ -936,10 +936,12 @@ def _run_attention(
             env[v], mk[v] = x, m_
         residuals = list(outs[1 + len(saved) :])
 
-        def run_backward() -> None:
+        def backward_pass() -> None:
             _run_attention_backward(
                 walk, jaxpr, match, env, mk, decision, low, res_tree, residuals
             )
+
+        run_backward = backward_pass
 
     env[out_var] = out
     mk[out_var] = 0
