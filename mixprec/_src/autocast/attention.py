@@ -718,7 +718,8 @@ def find(jaxpr: Jaxpr, consts: Sequence[Any] = ()) -> dict[int, Match]:
     if not backward:
         return out
     # A differentiated program: its forward attentions with their backward.
-    fwd_users = _users(jaxpr, ignore=backward | _dead(jaxpr))
+    dead = _dead(jaxpr)
+    fwd_users = _users(jaxpr, ignore=backward | dead)
     for i in dots:
         if i in taken or i in backward:
             continue
@@ -728,7 +729,7 @@ def find(jaxpr: Jaxpr, consts: Sequence[Any] = ()) -> dict[int, Match]:
             continue
         if m.region & taken:
             continue
-        bwd = _backward(jaxpr, m, users)
+        bwd = _backward(jaxpr, m, users, dead)
         if bwd is None or bwd.region & taken:
             continue
         m = dataclasses.replace(_with_causal(jaxpr, consts, m), backward=bwd)
@@ -762,7 +763,9 @@ def _dead(jaxpr: Jaxpr) -> frozenset[int]:
     return frozenset(dead)
 
 
-def _backward(jaxpr: Jaxpr, m: Match, users: dict[Any, list[int]]) -> Backward | None:
+def _backward(
+    jaxpr: Jaxpr, m: Match, users: dict[Any, list[int]], dead: frozenset[int]
+) -> Backward | None:
     """The backward pass of the attention ``m`` (matched in a differentiated
     program), or ``None`` where it cannot be proven to be exactly it.
 
@@ -775,7 +778,6 @@ def _backward(jaxpr: Jaxpr, m: Match, users: dict[Any, list[int]]) -> Backward |
     backward pass, and the variables that hold its results the gradients.
     Nothing else may read their values (nor the forward's intermediates).
     """
-    dead = _dead(jaxpr)
     out_var = jaxpr.eqns[m.anchor].outvars[0]
     p_var = next(u for u in jaxpr.eqns[m.anchor].invars if u is not m.inputs[m.v[0]])
     # The cotangent is the other operand of the product that computes the

@@ -1010,15 +1010,8 @@ def _run_attention_backward(
         vjp = jax.tree.unflatten(res_tree, vals[len(reads) :])
         with jax.numpy_dtype_promotion("standard"):
             (cts,) = vjp(cast(vals[0], low))
-        return [
-            cast(x, s.dtype)
-            for x, g, s in zip(
-                (c for c, g in zip(cts, bwd.grads, strict=True) if g is not None),
-                grads,
-                shapes,
-                strict=True,
-            )
-        ]
+        computed = [c for c, g in zip(cts, bwd.grads, strict=True) if g is not None]
+        return [cast(c, s.dtype) for c, s in zip(computed, shapes, strict=True)]
 
     with _eqn_context(bwd.eqn):
         outs = per_platform(
