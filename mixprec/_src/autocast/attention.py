@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -59,6 +58,7 @@ import numpy as np
 from jax.extend.core import Jaxpr, JaxprEqn, Literal, Primitive, new_jaxpr_eqn
 
 from mixprec._src import _compat
+from mixprec._src.autocast import jaxprs
 
 
 __all__ = ["ATTENTION_P", "Match", "find", "fused"]
@@ -194,19 +194,18 @@ class _Users(dict):
 
 
 def _users(jaxpr: Jaxpr, ignore: frozenset[int] = frozenset()) -> _Users:
-    users = _Users()
-    users.eqns = jaxpr.eqns
-    users.forward = bool(ignore)
-    for i, eqn in enumerate(jaxpr.eqns):
-        if i in ignore:
-            continue
-        for v in eqn.invars:
-            if not isinstance(v, Literal):
-                users.setdefault(v, []).append(i)
-    for v in jaxpr.outvars:
-        if not isinstance(v, Literal):
-            users.setdefault(v, []).append(-1)
-    return users
+    found = _Users(jaxprs.users(jaxpr, ignore))
+    found.eqns = jaxpr.eqns
+    found.forward = bool(ignore)
+    return found
+
+
+def _index(seq: Sequence[Any], x: Any) -> int:
+    """Where ``x`` is in ``seq`` (``_Fail`` where it is not)."""
+    for i, y in enumerate(seq):
+        if y is x or y == x:
+            return i
+    raise _Fail
 
 
 def _pick(users: dict[Any, list[int]], v: Any, fits: Any) -> list[int]:
@@ -256,31 +255,13 @@ def _scalar_literal(jaxpr: Jaxpr, v: Any) -> float | None:
     """The value of a scalar literal, possibly broadcast or converted."""
     if isinstance(v, Literal):
         return float(np.asarray(v.val)) if np.ndim(v.val) == 0 else None
-    eqn = _producers(jaxpr).get(v)
+    eqn = jaxprs.producers(jaxpr).get(v)
     if eqn is not None and eqn.primitive.name in (
         "broadcast_in_dim",
         "convert_element_type",
     ):
         return _scalar_literal(jaxpr, eqn.invars[0])
     return None
-
-
-_producer_maps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _producers(jaxpr: Jaxpr) -> dict[Any, JaxprEqn]:
-    """The equation that computes each variable of ``jaxpr``."""
-    try:
-        found = _producer_maps.get(jaxpr)
-    except TypeError:
-        found = None
-    if found is None:
-        found = {o: e for e in jaxpr.eqns for o in e.outvars}
-        try:
-            _producer_maps[jaxpr] = found
-        except TypeError:
-            pass
-    return found
 
 
 def _only_user(users: dict[Any, list[int]], v: Any, fits: Any = None) -> int:
@@ -519,7 +500,7 @@ def _softmax(
     by = {jaxpr.eqns[i].primitive.name: i for i in us}
     if set(by) != {"reduce_sum", "div"}:
         raise _Fail
-    axis2 = labels2.index(key)
+    axis2 = _index(labels2, key)
     rsum = jaxpr.eqns[by["reduce_sum"]]
     if tuple(rsum.params["axes"]) != (axis2,):
         raise _Fail
@@ -675,9 +656,9 @@ def _match_at(jaxpr: Jaxpr, users: dict[Any, list[int]], first: int) -> Match:
         anchor=anchor,
         region=frozenset(region),
         inputs=tuple(inputs),
-        q=(inputs.index(q_op), tuple(qb), qseq, qc),
-        k=(inputs.index(k_op), tuple(kb), kseq, kc),
-        v=(inputs.index(v), tuple(vbatch), vc[0], vh),
+        q=(_index(inputs, q_op), tuple(qb), qseq, qc),
+        k=(_index(inputs, k_op), tuple(kb), kseq, kc),
+        v=(_index(inputs, v), tuple(vbatch), vc[0], vh),
         batch=batch,
         query=query,
         out_labels=tuple(out),
@@ -707,25 +688,25 @@ def find(jaxpr: Jaxpr, consts: Sequence[Any] = ()) -> dict[int, Match]:
             continue
         try:
             m = _match_at(jaxpr, users, i)
-        except (_Fail, ValueError, KeyError, IndexError, TypeError):
+        except _Fail:
             continue
         if m.region & taken:
             continue
         m = _with_causal(jaxpr, consts, m)
         taken |= m.region
         out[m.anchor] = m
-    backward = _backward_pass(jaxpr)
+    backward = jaxprs.backward_eqns(jaxpr)
     if not backward:
         return out
     # A differentiated program: its forward attentions with their backward.
-    dead = _dead(jaxpr)
+    dead = jaxprs.dead_eqns(jaxpr)
     fwd_users = _users(jaxpr, ignore=backward | dead)
     for i in dots:
         if i in taken or i in backward:
             continue
         try:
             m = _match_at(jaxpr, fwd_users, i)
-        except (_Fail, ValueError, KeyError, IndexError, TypeError):
+        except _Fail:
             continue
         if m.region & taken:
             continue
@@ -741,28 +722,6 @@ def find(jaxpr: Jaxpr, consts: Sequence[Any] = ()) -> dict[int, Match]:
 # ----------------------------------------------------------------- differentiated
 
 
-def _backward_pass(jaxpr: Jaxpr) -> frozenset[int]:
-    """The equations of ``jaxpr`` that JAX's transposition emitted."""
-    return frozenset(
-        i
-        for i, e in enumerate(jaxpr.eqns)
-        if "transpose(" in _compat.eqn_name_stack(e.source_info)
-    )
-
-
-def _dead(jaxpr: Jaxpr) -> frozenset[int]:
-    """The equations whose results nothing reads (and that have no effect)."""
-    live = {v for v in jaxpr.outvars if not isinstance(v, Literal)}
-    dead = set()
-    for i in range(len(jaxpr.eqns) - 1, -1, -1):
-        e = jaxpr.eqns[i]
-        if e.effects or any(o in live for o in e.outvars):
-            live.update(v for v in e.invars if not isinstance(v, Literal))
-        else:
-            dead.add(i)
-    return frozenset(dead)
-
-
 def _backward(
     jaxpr: Jaxpr, m: Match, users: dict[Any, list[int]], dead: frozenset[int]
 ) -> Backward | None:
@@ -772,8 +731,9 @@ def _backward(
     The proof: JAX's ``vjp`` of the matched forward equations, with respect
     to the queries, keys and values, is traced and each of its values named
     structurally (primitive, parameters, operands' names; ``jit`` bodies
-    inlined); the program's equations are named the same way, with the
-    attention's inputs and the cotangent of its result as the same leaves.
+    inlined; :func:`~mixprec._src.autocast.jaxprs.structural_names`), its
+    inputs named as the attention's inputs and the cotangent of its result
+    are in the program (which is named once).
     The program's equations that compute a value of that ``vjp`` are its
     backward pass, and the variables that hold its results the gradients.
     Nothing else may read their values (nor the forward's intermediates).
@@ -787,12 +747,16 @@ def _backward(
         e = jaxpr.eqns[i] if i >= 0 else None
         if e is not None and i != m.anchor and e.primitive.name == "dot_general":
             cts += [
-                u for u in e.invars if u is not p_var and _shape(u) == _shape(out_var)
+                u
+                for u in e.invars
+                if u is not p_var
+                and type(u) is not Literal
+                and _shape(u) == _shape(out_var)
             ]
     for ct in cts:
         try:
             bwd = _prove(jaxpr, m, users, dead, ct)
-        except (_Fail, ValueError, KeyError, IndexError, TypeError):
+        except _Fail:
             continue
         if bwd is not None:
             return bwd
@@ -815,7 +779,7 @@ def _prove(
     def forward(*vals: Any) -> Any:
         env = dict(zip(m.inputs, vals, strict=True))
         for e in region_eqns:
-            outs = _bind(e, [_read(env, u) for u in e.invars])
+            outs = jaxprs.bind_as_written(e, [jaxprs.read(env, u) for u in e.invars])
             env.update(zip(e.outvars, outs, strict=True))
         return env[out_var]
 
@@ -831,14 +795,14 @@ def _prove(
     ref = jax.make_jaxpr(reference)(
         [_aval_struct(v) for v in m.inputs], _aval_struct(ct)
     )
-    names = _Names()
-    leaves = [names.leaf(("in", j)) for j in range(len(m.inputs))]
-    leaves.append(names.leaf(("ct",)))
+    # The program is named once (whatever the number of attentions in it);
+    # the reference is named against it, its inputs being the program's.
+    names = jaxprs.structural_names(jaxpr)
+    ids = names.of
+    leaves = [ids[u] for u in (*m.inputs, ct)]
     ref_ids = names.of_jaxpr(ref.jaxpr, ref.consts, leaves)
-    wanted = names.ancestors(ref_ids) - set(leaves)
-    seeds = dict(zip(m.inputs, leaves[:-1], strict=True))
-    seeds[ct] = leaves[-1]
-    ids = names.of_program(jaxpr, seeds)
+    stop = frozenset(leaves)
+    wanted = names.ancestors(ref_ids, stop) - stop
     region = frozenset(
         i
         for i, e in enumerate(jaxpr.eqns)
@@ -895,11 +859,10 @@ def _prove(
     ct_at = next((i for i, e in enumerate(jaxpr.eqns) if ct in e.outvars), -1)
     if not (m.anchor < at and ct_at < at) or ct_at in region or ct_at in m.region:
         return None
-    first = min(
-        i
-        for i in region
-        if "transpose(" in _compat.eqn_name_stack(jaxpr.eqns[i].source_info)
-    )
+    transposed = region & jaxprs.backward_eqns(jaxpr)
+    if not transposed:
+        return None
+    first = min(transposed)
     ops = [m.inputs[m.q[0]], m.inputs[m.k[0]], m.inputs[m.v[0]]]
     record = new_jaxpr_eqn(
         [ct, *ops],
@@ -933,94 +896,6 @@ def _prove(
     )
 
 
-def _norm(x: Any) -> Any:
-    """A hashable form of an equation parameter."""
-    if isinstance(x, (tuple, list)):
-        return tuple(_norm(y) for y in x)
-    if isinstance(x, np.generic):
-        return x.item()
-    if isinstance(x, np.ndarray):
-        return ("array", x.dtype.str, x.shape, x.tobytes())
-    if isinstance(x, (bool, int, float, str, type(None))):
-        return x
-    if isinstance(x, np.dtype):
-        return str(x)
-    return str(x)
-
-
-class _Names:
-    """Structural names of values: equal names, equal computations."""
-
-    def __init__(self) -> None:
-        self.table: dict[Any, int] = {}
-        self.children: dict[int, tuple[int, ...]] = {}
-
-    def _intern(self, key: Any, children: tuple[int, ...] = ()) -> int:
-        n = self.table.setdefault(key, len(self.table))
-        self.children.setdefault(n, children)
-        return n
-
-    def leaf(self, key: Any) -> int:
-        return self._intern(("leaf", key))
-
-    def _literal(self, v: Any) -> int:
-        x = np.asarray(v.val)
-        return self._intern(("lit", x.dtype.str, x.shape, x.tobytes()))
-
-    def _const(self, x: Any) -> int:
-        if _compat.is_tracer(x):
-            return self._intern(("tracer", id(x)))
-        a = np.asarray(x)
-        return self._intern(("const", a.dtype.str, a.shape, a.tobytes()))
-
-    def of_jaxpr(
-        self, jaxpr: Jaxpr, consts: Sequence[Any], ins: Sequence[int]
-    ) -> list[int]:
-        env = {v: self._const(c) for v, c in zip(jaxpr.constvars, consts, strict=True)}
-        env.update(zip(jaxpr.invars, ins, strict=True))
-        self._run(jaxpr, env, {})
-        return [
-            self._literal(v) if isinstance(v, Literal) else env[v]
-            for v in jaxpr.outvars
-        ]
-
-    def of_program(self, jaxpr: Jaxpr, seeds: dict[Any, int]) -> dict[Any, int]:
-        env: dict[Any, int] = {}
-        for v in (*jaxpr.constvars, *jaxpr.invars):
-            env[v] = seeds.get(v, self._intern(("free", id(v))))
-        self._run(jaxpr, env, seeds)
-        return env
-
-    def _run(self, jaxpr: Jaxpr, env: dict[Any, int], seeds: dict[Any, int]) -> None:
-        for e in jaxpr.eqns:
-            ins = tuple(
-                self._literal(u) if isinstance(u, Literal) else env[u] for u in e.invars
-            )
-            inner = (
-                e.params.get("jaxpr") if e.primitive.name in ("jit", "pjit") else None
-            )
-            if inner is not None:
-                body = getattr(inner, "jaxpr", inner)
-                outs = self.of_jaxpr(body, getattr(inner, "consts", ()), ins)
-            else:
-                params = tuple(sorted((k, _norm(v)) for k, v in e.params.items()))
-                key = (e.primitive.name, params, ins)
-                outs = [self._intern((*key, k), ins) for k in range(len(e.outvars))]
-            for o, n in zip(e.outvars, outs, strict=True):
-                env[o] = seeds.get(o, n)
-
-    def ancestors(self, roots: Sequence[int]) -> set[int]:
-        seen: set[int] = set()
-        stack = list(roots)
-        while stack:
-            n = stack.pop()
-            if n in seen:
-                continue
-            seen.add(n)
-            stack.extend(self.children.get(n, ()))
-        return seen
-
-
 # ----------------------------------------------------------------- constant masks
 
 
@@ -1034,28 +909,19 @@ def _concrete(jaxpr: Jaxpr, consts: Sequence[Any], v: Any, memo: dict) -> Any:
         val = consts[list(jaxpr.constvars).index(v)]
         memo[v] = None if _compat.is_tracer(val) else val
         return memo[v]
-    eqn = _producers(jaxpr).get(v)
+    eqn = jaxprs.producers(jaxpr).get(v)
     if eqn is not None:
         args = [_concrete(jaxpr, consts, u, memo) for u in eqn.invars]
         if any(a is None for a in args):
             memo[v] = None
             return None
         with jax.ensure_compile_time_eval():
-            res = _bind(eqn, args)
+            res = jaxprs.bind_as_written(eqn, args)
         for o, r in zip(eqn.outvars, res, strict=True):
             memo[o] = np.asarray(r)
         return memo[v]
     memo[v] = None
     return None
-
-
-def _bind(eqn: JaxprEqn, args: Sequence[Any]) -> list[Any]:
-    params = eqn.primitive.get_bind_params(eqn.params)
-    subfuns: Sequence[Any] = ()
-    if isinstance(params, tuple):
-        subfuns, params = params
-    out = eqn.primitive.bind(*subfuns, *args, **params)
-    return list(out) if eqn.primitive.multiple_results else [out]
 
 
 def _with_causal(jaxpr: Jaxpr, consts: Sequence[Any], m: Match) -> Match:
@@ -1077,7 +943,7 @@ def _with_causal(jaxpr: Jaxpr, consts: Sequence[Any], m: Match) -> Match:
                 return m
             args.append(val)
         with jax.ensure_compile_time_eval():
-            res = np.asarray(_bind(s.eqn, args)[0]) == 0
+            res = np.asarray(jaxprs.bind_as_written(s.eqn, args)[0]) == 0
         one = np.asarray(_canonical(res, _out_labels_of(s), m.batch, m.query))
         keep = one if keep is None else keep & one
     assert keep is not None
@@ -1153,10 +1019,10 @@ def fused(m: Match, values: Sequence[Any], low: Any, out_shape: Sequence[int]) -
     env = dict(zip(m.inputs, values, strict=True))
     for s in m.steps:
         args = [
-            jnp.zeros(_shape(u), jnp.float32) if j == s.operand else _read(env, u)
+            jnp.zeros(_shape(u), jnp.float32) if j == s.operand else jaxprs.read(env, u)
             for j, u in enumerate(s.eqn.invars)
         ]
-        res = _bind(s.eqn, args)[0]
+        res = jaxprs.bind_as_written(s.eqn, args)[0]
         labels = _out_labels_of(s)
         if s.kind == "mask":
             one = _canonical(res == 0, labels, m.batch, m.query)
@@ -1181,7 +1047,3 @@ def fused(m: Match, values: Sequence[Any], low: Any, out_shape: Sequence[int]) -
     want = [lab for lab in m.out_labels if lab is not None]
     out = jnp.transpose(out, [here.index(lab) for lab in want])
     return out.reshape(tuple(out_shape))
-
-
-def _read(env: dict[Any, Any], u: Any) -> Any:
-    return u.val if isinstance(u, Literal) else env[u]
