@@ -6,6 +6,7 @@ gradients of the fused formulation (run with JAX's XLA implementation here)
 against float32, and the cuda export (cuDNN's custom calls, no dots).
 """
 
+import contextlib
 import functools as ft
 import math
 import re
@@ -18,7 +19,8 @@ from helpers import assert_trees_close
 
 import mixprec
 from mixprec._src import _compat
-from mixprec._src.autocast import attention, interpreter
+from mixprec._src.autocast import attention
+from mixprec._src.autocast.rules import attention as attention_rule
 
 
 B, T, N, H = 2, 16, 4, 64
@@ -28,7 +30,7 @@ def _pin_cuda_attention(monkeypatch):
     """The attention's cuda formulation, whatever the platform (dots keep
     theirs)."""
     monkeypatch.setattr(
-        interpreter,
+        attention_rule,
         "per_platform",
         lambda args, *, platform, default, **overrides: overrides["cuda"](*args),
     )
@@ -199,14 +201,14 @@ def test_cpu_formulation_is_the_unfused_one(name, monkeypatch):
 def test_fused_formulation_matches_float32(name, low, monkeypatch):
     # The cuda formulation, pinned, with JAX's XLA implementation standing in
     # for cuDNN on this CPU: the layouts, scale, masks and biases are right.
-    monkeypatch.setattr(attention, "_IMPLEMENTATION", "xla")
+    monkeypatch.setattr(attention_rule, "_IMPLEMENTATION", "xla")
     _pin_cuda_attention(monkeypatch)
     args = _args(name)
     fn = POSITIVE[name]
     calls = []
-    real = attention.fused
+    real = attention_rule.fused
     monkeypatch.setattr(
-        attention, "fused", lambda *a, **k: calls.append(1) or real(*a, **k)
+        attention_rule, "fused", lambda *a, **k: calls.append(1) or real(*a, **k)
     )
     # A new function: autocast caches what it built for one.
     f = mixprec.autocast(lambda *a: fn(*a), f"mixed_{low}")
@@ -272,7 +274,7 @@ def test_whole_step_fuses_attention_and_its_gradient(name, monkeypatch):
     # its float16 derivative has GEMMs XLA:CPU cannot run, so float16 is
     # checked by exporting for cuda: test_platforms.py).
     low = "bfloat16"
-    monkeypatch.setattr(attention, "_IMPLEMENTATION", "xla")
+    monkeypatch.setattr(attention_rule, "_IMPLEMENTATION", "xla")
     _pin_cuda_attention(monkeypatch)
     args = _args(name)
     grad = jax.grad(_sum_loss(POSITIVE[name]), argnums=(0, 1, 2))
@@ -322,7 +324,7 @@ def test_whole_step_that_reads_the_weights_elsewhere_stays_unfused():
 def test_whole_step_with_one_array_as_queries_and_keys_is_right(monkeypatch):
     # The array's gradient is the sum of two of the kernel's: not fused, and
     # the gradients stay those of float32.
-    monkeypatch.setattr(attention, "_IMPLEMENTATION", "xla")
+    monkeypatch.setattr(attention_rule, "_IMPLEMENTATION", "xla")
     _pin_cuda_attention(monkeypatch)
     q, _, v = _qkv()
     grad = jax.grad(lambda x, v: _sum_loss(gpt_causal)(x, x, v), argnums=(0, 1))
@@ -425,3 +427,121 @@ def test_flax_equinox_haiku_attention_are_recognised():
     model = hk.without_apply_rng(hk.transform(hk_fn))
     hp = model.init(jax.random.key(3), x)
     assert len(_fused(model.apply, hp, x)) == 1
+
+
+# ------------------------------------- a fusion decided from the ops it replaces
+
+
+def highest_precision(q, k, v):
+    hi = jax.lax.Precision.HIGHEST
+    s = jnp.einsum("bthd,bshd->bhts", q, k, precision=hi) * 0.125
+    return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, axis=-1), v, precision=hi)
+
+
+@pytest.mark.parametrize("low", ["bfloat16", "float16"])
+@pytest.mark.parametrize("case", ["precision_arg", "default_precision", "mixlist"])
+def test_attention_whose_matmuls_stay_float32_is_not_fused(case, low, monkeypatch):
+    # A fusion runs in 16 bits only where every product it replaces would:
+    # here its matmuls run in float32, one by one, as explain says, on every
+    # platform (the cuda export has no fused kernel either).
+    monkeypatch.setattr(
+        _compat.cudnn_attention_module(), "check_cudnn_version", lambda: 91000
+    )
+    q, k, v = _qkv()
+    fn, mixlist = plain, None
+    if case == "precision_arg":
+        fn = highest_precision
+    if case == "mixlist":
+        mixlist = {"black-list": {"to-add": ["dot_general"]}}
+    context = (
+        jax.default_matmul_precision("highest")
+        if case == "default_precision"
+        else contextlib.nullcontext()
+    )
+    policy = f"mixed_{low}"
+    with context:
+        report = mixprec.explain(fn, q, k, v, policy=policy, mixlist=mixlist)
+        dots = [op for op in report.ops if op.primitive == "dot_general"]
+        f = mixprec.autocast(lambda *a: fn(*a), policy, mixlist=mixlist)
+        got = jax.jit(f)(q, k, v)
+        text = _cuda_text(f, q, k, v)
+    assert not [op for op in report.ops if op.primitive == "dot_product_attention"]
+    assert [op.dtype for op in dots] == ["float32", "float32"]
+    assert "__cudnn$fmha" not in text
+    assert got.dtype == jnp.float32
+    assert_trees_close(got, fn(q, k, v), dtype=jnp.float32)
+    # The same attention with its matmuls in the allow list is fused.
+    assert len(_fused(plain, q, k, v, policy=policy)) == 1
+
+
+def test_closed_over_causal_tril_becomes_is_causal(monkeypatch):
+    # A causal mask closed over as an array (not written as `tril` in the
+    # traced function) is a constant known before the walk: the fused kernel
+    # gets `is_causal`, not a mask operand.
+    monkeypatch.setattr(
+        _compat.cudnn_attention_module(), "check_cudnn_version", lambda: 91000
+    )
+    q, k, v = _qkv()
+    causal = np.tril(np.ones((T, T), bool)).reshape(1, 1, T, T)
+    mask = jnp.asarray(causal)
+
+    def closed(q, k, v):
+        s = jnp.einsum("bthd,bshd->bhts", q, k) * 0.125
+        s = jnp.where(mask, s, jnp.finfo(s.dtype).min)
+        return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, axis=-1), v)
+
+    (op,) = _fused(closed, q, k, v)
+    assert "causal mask" in op.reason
+    f = mixprec.autocast(lambda *a: closed(*a), "mixed_bfloat16")
+    text = _cuda_text(f, q, k, v)
+    mask_type = re.search(r"mask_type\\22: \\22(\w+)", text)
+    assert mask_type is not None and mask_type.group(1) == "CAUSAL"
+    assert_trees_close(jax.jit(f)(q, k, v), closed(q, k, v), dtype=jnp.bfloat16)
+
+
+def _projected(x, w, keys=lambda k: k, stacked=False):
+    d = N * H
+    q, k, v = (
+        (x @ w[n]).reshape(B, T, N, H) for n in ("q", "k", "v")
+    )  # [b, t, heads, h]
+    out = plain(q, keys(k), v)
+    if stacked:  # the output of one attention is the queries of the next
+        out = plain(out, keys(k), v)
+    return out.reshape(B, T, d) @ w["o"]
+
+
+@pytest.mark.parametrize("case", ["stop_gradient_keys", "values_only", "stacked"])
+def test_whole_step_fuses_partial_and_stacked_gradients(case, monkeypatch):
+    # Keys under stop_gradient, only the values' projection differentiated,
+    # and two attentions in a row: each forward and each backward is fused,
+    # with the gradients of float32 (XLA's implementation standing in for
+    # cuDNN, the cuda formulation pinned).
+    monkeypatch.setattr(attention_rule, "_IMPLEMENTATION", "xla")
+    _pin_cuda_attention(monkeypatch)
+    ks = jax.random.split(jax.random.key(4), 5)
+    x = jax.random.normal(ks[0], (B, T, N * H))
+    w = {
+        n: 0.05 * jax.random.normal(k, (N * H, N * H))
+        for n, k in zip("qkvo", ks[1:], strict=True)
+    }
+    keys = jax.lax.stop_gradient if case == "stop_gradient_keys" else (lambda k: k)
+    stacked = case == "stacked"
+
+    def loss(w, x):
+        return jnp.mean(_projected(x, w, keys, stacked) ** 2)
+
+    if case == "values_only":
+        grad = jax.grad(lambda wv, w, x: loss({**w, "v": wv}, x))
+        args = (w["v"], w, x)
+    else:
+        grad = jax.grad(loss)
+        args = (w, x)
+    n = 2 if stacked else 1
+    assert _attention_entries(grad, *args) == (
+        [(False, "attention")] * n + [(True, "attention's gradient")] * n
+    )
+    with jax.numpy_dtype_promotion("standard"):
+        got = jax.jit(mixprec.autocast(lambda *a: grad(*a), "mixed_bfloat16"))(*args)
+    want = grad(*args)
+    assert jax.tree.map(lambda g: g.dtype, got) == jax.tree.map(lambda g: g.dtype, want)
+    assert_trees_close(got, want, dtype=jnp.bfloat16, grad=True)

@@ -144,6 +144,10 @@ def test_table_entries_are_consistent():
             assert spec.op_class == "deny", spec.name
         if ops.OPAQUE in spec.flags:
             assert spec.op_class == "clear", spec.name
+        if ops.FUSION in spec.flags:  # its rule runs it fused or as its ops
+            assert spec.op_class == "allow" and spec.rule is not None, spec.name
+    fusions = {s.name for s in ops.all_specs() if ops.FUSION in s.flags}
+    assert fusions == {"dot_product_attention"}
     assert ops.COMPOSITES == {s.name for s in ops.all_specs() if s.composite}
 
 

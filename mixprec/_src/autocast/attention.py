@@ -61,16 +61,24 @@ from mixprec._src import _compat
 from mixprec._src.autocast import jaxprs
 
 
-__all__ = ["ATTENTION_P", "Match", "find", "fused"]
+__all__ = [
+    "ATTENTION_P",
+    "Match",
+    "canonical_layout",
+    "find",
+    "rewrite",
+    "step_out_labels",
+]
 
-#: The primitive a fused attention is reported as (never bound).
+#: The private primitive of a recognised attention: one equation in place of
+#: its forward equations (``part="forward"``) or of its proven backward pass
+#: (``part="backward"``). Only the walk runs it (its rule:
+#: :mod:`mixprec._src.autocast.rules.attention`); it is never bound.
 ATTENTION_P = Primitive("dot_product_attention")
+ATTENTION_P.multiple_results = True
 
 # A fill below this (after scaling) gives an exactly zero weight in float32.
 _FILL_MAX = -1e7
-# What the cuda formulation asks `jax.nn.dot_product_attention` for (tests
-# run the fused formulation on a CPU with "xla").
-_IMPLEMENTATION: Any = "cudnn"
 _VIEWS = frozenset(
     {"transpose", "reshape", "broadcast_in_dim", "squeeze", "expand_dims", "copy"}
 )
@@ -120,6 +128,9 @@ class Match:
         pattern: what was recognised, for reports.
         eqn: an equation that stands for the whole region in reports.
         backward: in a differentiated program, its backward pass.
+        eqns: the region's equations in order (set by :func:`rewrite`).
+        outvars: what the fused equation computes: the result, then the
+            values the backward pass reads (set by :func:`rewrite`).
     """
 
     first: int
@@ -138,6 +149,11 @@ class Match:
     pattern: str
     eqn: JaxprEqn
     backward: Backward | None = None
+    eqns: tuple[JaxprEqn, ...] = ()
+    outvars: tuple[Any, ...] = ()
+
+    def __repr__(self) -> str:
+        return f"Match({self.pattern!r})"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -161,6 +177,8 @@ class Backward:
         eqn: an equation that stands for it in reports.
         dropped: dead equations that read the forward's intermediates (what
             JAX's derivative of ``reduce_max`` leaves behind): never run.
+        eqns: the region's equations in order (set by :func:`rewrite`).
+        outvars: the gradients it computes (set by :func:`rewrite`).
     """
 
     region: frozenset[int]
@@ -171,6 +189,11 @@ class Backward:
     at: int
     eqn: JaxprEqn
     dropped: frozenset[int]
+    eqns: tuple[JaxprEqn, ...] = ()
+    outvars: tuple[Any, ...] = ()
+
+    def __repr__(self) -> str:
+        return "Backward()"
 
 
 # ----------------------------------------------------------------- recognition
@@ -670,16 +693,28 @@ def _match_at(jaxpr: Jaxpr, users: dict[Any, list[int]], first: int) -> Match:
     )
 
 
-def find(jaxpr: Jaxpr, consts: Sequence[Any] = ()) -> dict[int, Match]:
+def find(
+    jaxpr: Jaxpr, consts: Sequence[Any] = (), known: Sequence[Any] = ()
+) -> dict[int, Match]:
     """The attentions of ``jaxpr`` (its own equations, not sub-jaxprs), by the
     index of their last equation.
 
-    ``consts`` are the values of its constvars: a mask computed from constants
-    only is evaluated, and a causal one becomes ``is_causal``.
+    ``consts`` are the values of its constvars and ``known`` those of its
+    first invars where they are constants known before the walk (``None``
+    where not): a mask computed from constants only is evaluated, and a
+    causal one becomes ``is_causal``.
     """
     dots = [i for i, e in enumerate(jaxpr.eqns) if e.primitive.name == "dot_general"]
     if len(dots) < 2:
         return {}
+    given = {
+        v: x
+        for v, x in (
+            *zip(jaxpr.constvars, consts, strict=False),
+            *zip(jaxpr.invars, known, strict=False),
+        )
+        if x is not None and not _compat.is_tracer(x)
+    }
     users = _users(jaxpr)
     out: dict[int, Match] = {}
     taken: set[int] = set()
@@ -692,7 +727,7 @@ def find(jaxpr: Jaxpr, consts: Sequence[Any] = ()) -> dict[int, Match]:
             continue
         if m.region & taken:
             continue
-        m = _with_causal(jaxpr, consts, m)
+        m = _with_causal(jaxpr, given, m)
         taken |= m.region
         out[m.anchor] = m
     backward = jaxprs.backward_eqns(jaxpr)
@@ -713,10 +748,79 @@ def find(jaxpr: Jaxpr, consts: Sequence[Any] = ()) -> dict[int, Match]:
         bwd = _backward(jaxpr, m, users, dead)
         if bwd is None or bwd.region & taken:
             continue
-        m = dataclasses.replace(_with_causal(jaxpr, consts, m), backward=bwd)
+        m = dataclasses.replace(_with_causal(jaxpr, given, m), backward=bwd)
         taken |= m.region | bwd.region
         out[m.anchor] = m
     return out
+
+
+# ----------------------------------------------------------------- the rewrite
+
+
+def rewrite(
+    jaxpr: Jaxpr, consts: Sequence[Any] = (), known: Sequence[Any] = ()
+) -> Jaxpr:
+    """``jaxpr`` with each recognised attention replaced by one equation of
+    :data:`ATTENTION_P` (and, in a differentiated program, its backward pass
+    by another, placed before the first equation that reads a gradient).
+
+    The equations replaced travel in the :class:`Match`; the walk decides the
+    new equation like any op and runs it fused or, where it is not fused, runs
+    them in its place (see :mod:`mixprec._src.autocast.rules.attention`).
+    """
+    matches = find(jaxpr, consts, known)
+    if not matches:
+        return jaxpr
+    eqns = jaxpr.eqns
+    drop: set[int] = set()
+    put: dict[int, JaxprEqn] = {}
+    before: dict[int, list[JaxprEqn]] = {}
+    for m in matches.values():
+        bwd = m.backward
+        out_var = eqns[m.anchor].outvars[0]
+        saved = () if bwd is None else bwd.saved
+        if bwd is not None:
+            grads = tuple(g for g in bwd.grads if g is not None)
+            bwd = dataclasses.replace(
+                bwd, eqns=tuple(eqns[i] for i in sorted(bwd.region)), outvars=grads
+            )
+        m = dataclasses.replace(
+            m,
+            backward=bwd,
+            eqns=tuple(eqns[i] for i in sorted(m.region)),
+            outvars=(out_var, *saved),
+        )
+        flops = m.eqn.params["flops"]
+        put[m.anchor] = new_jaxpr_eqn(
+            list(m.inputs),
+            list(m.outvars),
+            ATTENTION_P,
+            {"part": "forward", "attention": m, "flops": flops},
+            set(),
+            eqns[m.first].source_info,
+        )
+        drop |= m.region
+        if bwd is not None:
+            before.setdefault(bwd.at, []).append(
+                new_jaxpr_eqn(
+                    list(bwd.reads),
+                    list(bwd.outvars),
+                    ATTENTION_P,
+                    {"part": "backward", "attention": m, "flops": 2 * flops},
+                    set(),
+                    bwd.eqn.source_info,
+                )
+            )
+            drop |= bwd.region | bwd.dropped
+    out: list[JaxprEqn] = []
+    for i, eqn in enumerate(eqns):
+        out += before.get(i, ())
+        if i in put:
+            out.append(put[i])
+        elif i not in drop:
+            out.append(eqn)
+    out += before.get(len(eqns), ())
+    return jaxpr.replace(eqns=out)
 
 
 # ----------------------------------------------------------------- differentiated
@@ -767,6 +871,47 @@ def _aval_struct(v: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(_shape(v), v.aval.dtype)
 
 
+# The reference derivatives traced so far, by the structure of what they
+# differentiate (see `_structure`).
+_references: dict[Any, Any] = {}
+
+
+def _structure(
+    eqns: Sequence[JaxprEqn],
+    inputs: Sequence[Any],
+    out_var: Any,
+    ct: Any,
+    diff: Sequence[int],
+) -> Any:
+    """What ``eqns`` compute from ``inputs`` as a hashable key: each
+    equation's primitive, parameters and operands (an input's position, a
+    literal's value, an earlier result's place); ``None`` if unhashable."""
+    place: dict[Any, Any] = {v: ("in", i) for i, v in enumerate(inputs)}
+    parts = []
+    for k, e in enumerate(eqns):
+        operands = []
+        for u in e.invars:
+            if type(u) is Literal:
+                operands.append(("lit", jaxprs.param_key(np.asarray(u.val))))
+            elif u in place:
+                operands.append(place[u])
+            else:
+                return None
+        params = tuple(sorted((n, jaxprs.param_key(x)) for n, x in e.params.items()))
+        parts.append((e.primitive.name, params, tuple(operands)))
+        for j, o in enumerate(e.outvars):
+            place[o] = ("out", k, j)
+    if out_var not in place:
+        return None
+    avals = tuple(str(v.aval) for v in (*inputs, ct))
+    key = (tuple(parts), avals, place[out_var], tuple(diff))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
 def _prove(
     jaxpr: Jaxpr, m: Match, users: dict[Any, list[int]], dead: frozenset[int], ct: Any
 ) -> Backward | None:
@@ -792,9 +937,18 @@ def _prove(
 
         return jax.vjp(of, *[vals[j] for j in diff])[1](g)
 
-    ref = jax.make_jaxpr(reference)(
-        [_aval_struct(v) for v in m.inputs], _aval_struct(ct)
-    )
+    # Every layer of a model has the same attention: its derivative is traced
+    # once per structure.
+    key = _structure(region_eqns, m.inputs, out_var, ct, diff)
+    ref = _references.get(key) if key is not None else None
+    if ref is None:
+        ref = jax.make_jaxpr(reference)(
+            [_aval_struct(v) for v in m.inputs], _aval_struct(ct)
+        )
+        if key is not None:
+            if len(_references) >= 256:
+                _references.clear()
+            _references[key] = ref
     # The program is named once (whatever the number of attentions in it);
     # the reference is named against it, its inputs being the program's.
     names = jaxprs.structural_names(jaxpr)
@@ -899,19 +1053,19 @@ def _prove(
 # ----------------------------------------------------------------- constant masks
 
 
-def _concrete(jaxpr: Jaxpr, consts: Sequence[Any], v: Any, memo: dict) -> Any:
-    """The value of ``v`` if it is computed from literals and constants only."""
+def _concrete(jaxpr: Jaxpr, given: dict[Any, Any], v: Any, memo: dict) -> Any:
+    """The value of ``v`` if it is computed from literals and the constants
+    whose values are ``given`` only."""
     if isinstance(v, Literal):
         return v.val
     if v in memo:
         return memo[v]
-    if v in jaxpr.constvars:
-        val = consts[list(jaxpr.constvars).index(v)]
-        memo[v] = None if _compat.is_tracer(val) else val
+    if v in given:
+        memo[v] = given[v]
         return memo[v]
     eqn = jaxprs.producers(jaxpr).get(v)
     if eqn is not None:
-        args = [_concrete(jaxpr, consts, u, memo) for u in eqn.invars]
+        args = [_concrete(jaxpr, given, u, memo) for u in eqn.invars]
         if any(a is None for a in args):
             memo[v] = None
             return None
@@ -924,7 +1078,7 @@ def _concrete(jaxpr: Jaxpr, consts: Sequence[Any], v: Any, memo: dict) -> Any:
     return None
 
 
-def _with_causal(jaxpr: Jaxpr, consts: Sequence[Any], m: Match) -> Match:
+def _with_causal(jaxpr: Jaxpr, given: dict[Any, Any], m: Match) -> Match:
     """``m`` with its masks replaced by ``is_causal`` where they are a
     constant causal ``tril`` and it has no bias."""
     masks = [s for s in m.steps if s.kind == "mask"]
@@ -938,13 +1092,13 @@ def _with_causal(jaxpr: Jaxpr, consts: Sequence[Any], m: Match) -> Match:
             if j == s.operand:
                 args.append(np.zeros(_shape(u), np.float32))
                 continue
-            val = _concrete(jaxpr, consts, u, memo)
+            val = _concrete(jaxpr, given, u, memo)
             if val is None:
                 return m
             args.append(val)
         with jax.ensure_compile_time_eval():
             res = np.asarray(jaxprs.bind_as_written(s.eqn, args)[0]) == 0
-        one = np.asarray(_canonical(res, _out_labels_of(s), m.batch, m.query))
+        one = np.asarray(canonical_layout(res, step_out_labels(s), m.batch, m.query))
         keep = one if keep is None else keep & one
     assert keep is not None
     t, s_len = keep.shape[-2:]
@@ -957,7 +1111,7 @@ def _with_causal(jaxpr: Jaxpr, consts: Sequence[Any], m: Match) -> Match:
     )
 
 
-def _out_labels_of(step: _Step) -> tuple[Label, ...]:
+def step_out_labels(step: _Step) -> tuple[Label, ...]:
     if step.eqn.primitive.name in ("jit", "pjit") and _shape(
         step.eqn.outvars[0]
     ) != _shape(step.eqn.invars[step.operand]):
@@ -968,7 +1122,7 @@ def _out_labels_of(step: _Step) -> tuple[Label, ...]:
 # ----------------------------------------------------------------- the fused kernel
 
 
-def _canonical(
+def canonical_layout(
     x: Any, labels: Sequence[Label], batch: Sequence[int], query: str
 ) -> Any:
     """A mask or bias in the scores' labels as ``[B, N, T, S]``."""
@@ -989,61 +1143,3 @@ def _canonical(
     )
     b = math.prod(batch[:-1])
     return y.reshape((b, batch[-1], *shape[len(order) :]))
-
-
-def _qkv(
-    x: Any, spec: tuple[int, tuple[int, ...], int, int], batch: Sequence[int], low: Any
-) -> Any:
-    """Queries, keys or values as ``[B, T, N, H]`` in ``low``."""
-    _, bdims, seq, head = spec
-    units = [d for d in range(x.ndim) if d not in (*bdims, seq, head)]
-    perm = [*bdims[:-1], seq, bdims[-1], head, *units]
-    y = jnp.transpose(x, perm).astype(low)
-    b = math.prod(batch[:-1])
-    return y.reshape((b, x.shape[seq], batch[-1], x.shape[head]))
-
-
-def fused(m: Match, values: Sequence[Any], low: Any, out_shape: Sequence[int]) -> Any:
-    """The attention of ``m`` by ``jax.nn.dot_product_attention(...,
-    implementation="cudnn")`` on 16-bit operands, in the layout of the
-    region's result (in ``low``).
-
-    Raises:
-        Exception: whatever JAX raises when cuDNN is missing or refuses the
-            shapes (the caller keeps the unfused formulation).
-    """
-    q = _qkv(values[m.q[0]], m.q, m.batch, low)
-    k = _qkv(values[m.k[0]], m.k, m.batch, low)
-    v = _qkv(values[m.v[0]], m.v, m.batch, low)
-    mask = bias = None
-    env = dict(zip(m.inputs, values, strict=True))
-    for s in m.steps:
-        args = [
-            jnp.zeros(_shape(u), jnp.float32) if j == s.operand else jaxprs.read(env, u)
-            for j, u in enumerate(s.eqn.invars)
-        ]
-        res = jaxprs.bind_as_written(s.eqn, args)[0]
-        labels = _out_labels_of(s)
-        if s.kind == "mask":
-            one = _canonical(res == 0, labels, m.batch, m.query)
-            mask = one if mask is None else mask & one
-        else:
-            one = _canonical(res * s.factor, labels, m.batch, m.query)
-            bias = one if bias is None else bias + one
-    out = jax.nn.dot_product_attention(
-        q,
-        k,
-        v,
-        bias=None if bias is None else bias.astype(low),
-        mask=mask,
-        scale=m.scale,
-        is_causal=m.causal,
-        implementation=_IMPLEMENTATION,
-    )
-    # [B, T, N, H] back to the result's layout.
-    nb = len(m.batch)
-    out = out.reshape((*m.batch[:-1], out.shape[1], m.batch[-1], out.shape[3]))
-    here = [("b", i) for i in range(nb - 1)] + ["T", ("b", nb - 1), "H"]
-    want = [lab for lab in m.out_labels if lab is not None]
-    out = jnp.transpose(out, [here.index(lab) for lab in want])
-    return out.reshape(tuple(out_shape))

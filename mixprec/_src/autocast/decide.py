@@ -116,7 +116,7 @@ __all__ = [
     "branch_dtypes",
     "carry_dtypes",
     "decide",
-    "decide_attention",
+    "decide_fusion",
     "decide_epilogue",
     "decide_eqn",
     "out_marks",
@@ -546,7 +546,7 @@ class Region(Protocol):
     float32: bool
     composite: str
     backward: bool
-    partners: dict[Any, np.dtype]
+    facts: Any  # facts.Facts: what the walk learnt of the jaxpr's values
 
     def producer(self, var: Any) -> JaxprEqn | None:
         """The equation that computed ``var`` in the jaxpr being walked."""
@@ -743,6 +743,8 @@ def decide_eqn(
     """
     name = eqn.primitive.name
     cfg = region.config
+    if spec is not None and ops.FUSION in spec.flags:
+        return decide_fusion(region, eqn, spec, invals)
     if region.float32:
         return Decision(
             Precision.ORIGINAL,
@@ -830,53 +832,69 @@ def _low_cotangent(region: Region, eqn: JaxprEqn) -> bool:
     """
     if not region.backward or len(eqn.invars) < 2:
         return False
+    partners = region.facts.partners
     known = [
-        region.partners[v]
+        partners[v]
         for v in eqn.invars[:2]
-        if not isinstance(v, Literal) and v in region.partners
+        if not isinstance(v, Literal) and v in partners
     ]
     return len(known) == 1 and known[0] in _HALF
 
 
-def decide_attention(
-    region: Region, pattern: str, operand_dtypes: Sequence[Any]
-) -> Decision | None:
-    """Whether a recognised attention (:mod:`~mixprec._src.autocast.attention`)
-    runs as one fused kernel, and in which dtype; ``None``: its equations run
-    one by one as usual.
+def decide_fusion(
+    region: Region, eqn: JaxprEqn, spec: ops.OpSpec, invals: Sequence[Any]
+) -> Decision:
+    """Whether the op of a fusion (:data:`~mixprec._src.autocast.ops.FUSION`:
+    a recognised attention, one equation in place of several) runs fused,
+    and in which dtype; :data:`HIGHER_ORDER` where it does not: its ops then
+    run in its place, each decided on its own.
 
-    It is fused where its matmuls would run in a 16-bit dtype: the default
-    modes, outside ``float32_scope``, in a forward pass, with float32 or
-    16-bit operands, and not under a float8 recipe (whose matmuls have their
-    own formulation).
-
-    Examples:
-        >>> import types
-        >>> from mixprec._src.autocast.config import make_config
-        >>> where = types.SimpleNamespace(config=make_config("mixed_bfloat16"),
-        ...     float32=False, composite="", backward=False, partners={})
-        >>> decide_attention(where, "q·kᵀ, softmax, ·v", [np.float32] * 3).dtype
-        dtype(bfloat16)
+    A fusion is decided from the ops it replaces: it is fused where each of
+    its products (its matmuls) would run in the low dtype here (so not under
+    ``float32_scope``, ``force_fp32``, a product asking for ``HIGHEST``
+    precision or a mix list that keeps ``dot_general`` out of the allow
+    list), the mode is a mixed one (``allow_mix_precision``), the policy has
+    a 16-bit low dtype and no float8 recipe (whose
+    products have their own formulation), its floating operands are float32
+    or that dtype, and its own entry is in the allow list. Its softmax runs
+    in float32 inside the kernel. The backward pass of a fused attention
+    is fused where its forward pass was.
     """
     cfg = region.config
     low = np.dtype(cfg.low_dtype)
+    fusion = eqn.params["attention"]
+    if eqn.params["part"] == "backward":
+        forward = region.facts.fused.get(fusion)
+        if forward is None:
+            return HIGHER_ORDER
+        d = forward[0]
+        return dataclasses.replace(
+            d, reason=d.reason.replace("attention (", "attention's gradient (", 1)
+        )
     if (
-        region.float32
-        or region.composite
-        or region.backward
+        region.composite
         or cfg.mode not in ("allow_mix_precision", "allow_mix_precision_bf16")
         or low not in _HALF
         or cfg.policy.float8 is not None
-        or any(np.dtype(d) not in (_F32, low) for d in operand_dtypes)
+        or cfg.lists.classify(spec.name) != "allow"
+        or any(d is not None and d not in (_F32, low) for d in map(float_dtype, invals))
     ):
-        return None
+        return HIGHER_ORDER
+    for inner in fusion.eqns:
+        inner_spec = ops.spec_for(inner.primitive.name)
+        if inner_spec is None or inner_spec.product is None:
+            continue
+        avals = [v.aval for v in inner.invars]
+        d = decide_eqn(region, inner, inner_spec, avals, [0] * len(avals))
+        if d.precision is not Precision.LOW or d.dtype != low:
+            return HIGHER_ORDER
     return Decision(
         Precision.LOW,
         low,
         "allow",
-        f"attention ({pattern}): one fused kernel in {low} where the platform "
-        "has one (cuDNN on a GPU), softmax statistics in float32 inside it; "
-        "elsewhere its ops run one by one",
+        f"attention ({fusion.pattern}): one fused kernel in {low} where the "
+        "platform has one (cuDNN on a GPU), softmax statistics in float32 inside "
+        "it; elsewhere its ops run one by one",
     )
 
 

@@ -1,27 +1,35 @@
 """The autocast interpreter: one walk over a jaxpr for autocast, explain and diagnose.
 
-:func:`eval_jaxpr` walks a jaxpr like ``jax.core.eval_jaxpr`` (literals read
-directly, ``zip(strict=True)``, each equation under its user source context and
-``eqn.ctx.manager``). For each equation it:
+Before a jaxpr is walked, the rewrite passes
+(:mod:`~mixprec._src.autocast.rewrites`) replace what they recognise (a
+written-out attention, and in a differentiated program its proven backward
+pass) by one equation of a private primitive with its own op-table entry.
+The walk then meets only ordinary equations. :func:`eval_jaxpr` walks a jaxpr
+like ``jax.core.eval_jaxpr`` (literals read directly, ``zip(strict=True)``,
+each equation under its user source context and ``eqn.ctx.manager``); for
+each equation it:
 
 1. finds the op's entry in the op table (:mod:`~mixprec._src.autocast.ops`);
-2. for a higher-order primitive, hands the equation to its rule, which walks the
-   body with this same interpreter (or, if the observer runs higher-order
-   equations itself, to the observer);
-3. otherwise asks :mod:`~mixprec._src.autocast.decide` for the precision, once,
-   and runs the op's rule with that :class:`~mixprec._src.autocast.decide.Decision`;
+2. for a higher-order primitive, hands the equation to its rule, which walks
+   the body with this same interpreter (or, if the observer steps loops and
+   branches itself, to the observer);
+3. otherwise asks :func:`~mixprec._src.autocast.decide.decide_eqn` for the
+   precision, once, and runs the op's rule with that
+   :class:`~mixprec._src.autocast.decide.Decision`;
 4. tells the observer, if there is one, what ran.
+
+The walk decides nothing: dtypes are chosen in
+:mod:`~mixprec._src.autocast.decide`, from the op's table entry and the facts
+gathered about the jaxpr's values (:mod:`~mixprec._src.autocast.facts`, one
+table per jaxpr, passed beside the walk). A :class:`Walk` is where the walk
+is (configuration, region, path, observer): never changed once made.
 
 Three clients share the walk, through the same front door
 (:mod:`~mixprec._src.autocast.api`). :func:`mixprec.autocast` stages the result
 out. ``mixprec.explain`` adds an observer that records each decision while the
 transformed jaxpr is traced. ``mixprec.diagnose`` walks concrete values with an
-observer that also runs each equation as written (the float32 reference) and
-steps loops and branches itself (:mod:`mixprec._src.numerics.diagnose`).
-
-The interpreter decides nothing: dtypes are chosen in
-:mod:`~mixprec._src.autocast.decide`, which also says how the marks of each value
-(``FOLLOWS``, ``STAT``, ``CONST``, ``GRAD``) propagate.
+observer that also runs each equation as written (the float32 reference),
+op by op (no rewrites).
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ from jax.extend import source_info_util as siu
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal
 
 from mixprec._src import _compat
-from mixprec._src.autocast import attention, ops, regions
+from mixprec._src.autocast import facts as facts_lib, jaxprs, ops, regions, rewrites
 from mixprec._src.autocast.avals import aval_dtype, aval_shape, float_dtype, same_shape
 from mixprec._src.autocast.config import CastConfig
 from mixprec._src.autocast.decide import (
@@ -53,13 +61,12 @@ from mixprec._src.autocast.decide import (
     STAT,
     Decision,
     Precision,
-    decide_attention,
     decide_epilogue,
     decide_eqn,
     literal_mark,
     out_marks,
 )
-from mixprec._src.autocast.platforms import per_platform
+from mixprec._src.autocast.facts import Facts, known_value, value_range
 
 
 __all__ = [
@@ -71,13 +78,19 @@ __all__ = [
     "CastContext",
     "Observer",
     "Walk",
+    "bind_as_written",
     "eval_jaxpr",
+    "known_value",
+    "run_inline",
+    "value_range",
 ]
 
 # Equations created by mixprec point at the user code that caused them.
 siu.register_exclusion(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
 
 _F32 = np.dtype(np.float32)
+
+bind_as_written = jaxprs.bind_as_written
 
 
 class Observer(Protocol):
@@ -123,32 +136,40 @@ class Observer(Protocol):
 
 
 class Walk:
-    """Where the interpreter is: configuration, region, path, observer.
+    """Where the interpreter is: configuration, region, path, observer, and the
+    facts table of the jaxpr being walked.
 
-    A new ``Walk`` is made for each body the interpreter enters (cheap: plain
-    slots, no copying of the configuration).
+    Never changed once made: entering a body, a region or an equation makes a
+    new one (cheap: plain slots, nothing copied but references).
     """
 
     __slots__ = (
         "backward",
-        "casts",
         "composite",
         "config",
         "current",
+        "facts",
         "float32",
         "float32_lines",
         "observer",
         "parent_source",
-        "partners",
         "path",
-        "producers",
-        "values",
-        "ranges",
-        "scalars",
         "scope",
         "trip",
-        "wide",
     )
+
+    config: CastConfig
+    observer: Observer | None
+    path: str
+    trip: int
+    float32: bool
+    composite: str
+    backward: bool
+    parent_source: str
+    scope: str
+    float32_lines: frozenset[tuple[str, int]]
+    current: JaxprEqn | None
+    facts: Facts
 
     def __init__(
         self,
@@ -163,65 +184,58 @@ class Walk:
         parent_source: str = "",
         scope: str = "",
         float32_lines: frozenset[tuple[str, int]] = frozenset(),
+        current: JaxprEqn | None = None,
+        facts: Facts | None = None,
     ) -> None:
-        self.config = config
-        self.observer = observer
-        self.path = path
-        self.trip = trip
-        self.float32 = float32
-        self.composite = composite
-        self.backward = backward
+        set_ = object.__setattr__
+        set_(self, "config", config)
+        set_(self, "observer", observer)
+        set_(self, "path", path)
+        set_(self, "trip", trip)
+        set_(self, "float32", float32)
+        set_(self, "composite", composite)
+        set_(self, "backward", backward)
         # The user source line of the higher-order equation around this body
-        # (for equations without one of their own), and the equation being run.
-        self.parent_source = parent_source
+        # (for equations without one of their own).
+        set_(self, "parent_source", parent_source)
         # The name stack of the higher-order equations around this body (the
         # name stacks of a body's equations start afresh).
-        self.scope = scope
+        set_(self, "scope", scope)
         # User source lines treated as if wrapped in `float32_scope` (what
         # `diagnose` checks its advice with): an equation traced while one of
         # them ran is in a float32 region.
-        self.float32_lines = float32_lines
-        self.current: JaxprEqn | None = None
-        # Float32 products of this jaxpr's CPU dots, by the dot's outvar, for
-        # a bias add that follows (see `decide.decide_epilogue`).
-        self.wide: dict[Any, Any] = {}
-        # The value of constants that are a scalar broadcast, reshaped or
-        # converted (`jnp.full(shape, finfo.min)`), by outvar: a cast of one
-        # saturates that scalar instead of emitting a clamp.
-        self.scalars: dict[Any, Any] = {}
-        # Per operand of a forward product of this jaxpr, the dtype the other
-        # operand ran in: a backward product whose residual is that operand
-        # computes the other one's gradient (see `decide.decide_eqn`).
-        self.partners: dict[Any, np.dtype] = {}
-        # The equation that computed each variable of the jaxpr being walked
-        # (for `decide.same_value`: a value computed twice is still one value).
-        self.producers: dict[Any, JaxprEqn] = {}
-        # Per constant whose value is known when the jaxpr is walked (a
-        # closed-over array, or computed from literals and those), its
-        # (largest finite, smallest non-zero) magnitude; and the values of the
-        # small ones, to compute the constants made from them.
-        self.ranges: dict[Any, tuple[float, float]] = {}
-        self.values: dict[Any, Any] = {}
-        # Inputs of the function rounded for a product, by (id, dtype): one
-        # rounding per parameter, shared by its forward and backward products,
-        # so a sharded parameter is gathered once per step. The input is kept
-        # beside its rounding, so that its id stays its own.
-        self.casts: dict[tuple[int, Any], tuple[Any, Any]] = {}
+        set_(self, "float32_lines", float32_lines)
+        # The higher-order equation whose rule holds this walk.
+        set_(self, "current", current)
+        set_(self, "facts", Facts() if facts is None else facts)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"`Walk` is immutable: cannot set {name!r}.")
+
+    # The facts of the jaxpr being walked, as `decide` and the rules read them.
+    @property
+    def wide(self) -> dict[Any, Any]:
+        """Float32 products of CPU dots, by outvar (:class:`Facts`)."""
+        return self.facts.wide
+
+    @property
+    def partners(self) -> dict[Any, np.dtype]:
+        """Per operand of a forward product, its partner's dtype."""
+        return self.facts.partners
+
+    @property
+    def casts(self) -> dict[tuple[int, Any], tuple[Any, Any]]:
+        """Inputs rounded once for every product that reads them."""
+        return self.facts.casts
 
     def constant_range(self, var: Any) -> tuple[float, float] | None:
         """``(largest finite, smallest non-zero)`` magnitude of a constant
-        whose value is known (a literal, a closed-over array, a constant
-        computed from those), or ``None``."""
-        if type(var) is Literal:
-            return value_range(var.val)
-        known = self.scalars.get(var)
-        if known is not None:
-            return value_range(known)
-        return self.ranges.get(var)
+        whose value is known, or ``None``."""
+        return self.facts.constant_range(var)
 
     def producer(self, var: Any) -> JaxprEqn | None:
         """The equation that computed ``var`` in the jaxpr being walked."""
-        return self.producers.get(var)
+        return self.facts.producers.get(var)
 
     def _copy(self, **changes: Any) -> Walk:
         kw = {
@@ -234,13 +248,24 @@ class Walk:
             "parent_source": self.parent_source,
             "scope": self.scope,
             "float32_lines": self.float32_lines,
+            "current": self.current,
+            "facts": self.facts,
         }
         config = changes.pop("config", self.config)
         kw.update(changes)
         return Walk(config, **kw)
 
+    def over(self, facts: Facts) -> Walk:
+        """This walk over another jaxpr's facts."""
+        return self._copy(facts=facts)
+
+    def at(self, eqn: JaxprEqn) -> Walk:
+        """This walk, inside the rule of the higher-order equation ``eqn``."""
+        return self._copy(current=eqn)
+
     def body(self, label: str, *, trip: int = 1, composite: str | None = None) -> Walk:
-        """The walk for the body ``label`` of a higher-order equation."""
+        """The walk for the body ``label`` of the current higher-order
+        equation (its facts: a new table, made when the body is walked)."""
         path = f"{self.path}/{label}" if self.path else label
         changes: dict[str, Any] = {"path": path, "trip": self.trip * _trip(trip)}
         if self.observer is not None and self.current is not None:
@@ -251,6 +276,7 @@ class Walk:
                 changes["scope"] = f"{self.scope}/{stack}" if self.scope else stack
         if composite is not None and not self.float32:
             changes["composite"] = composite
+        changes["current"] = None
         return self._copy(**changes)
 
     def with_float32_lines(self, lines: frozenset[tuple[str, int]]) -> Walk:
@@ -261,6 +287,12 @@ class Walk:
     def probe(self) -> Walk:
         """A walk that observes nothing (a body traced only for its types)."""
         return self._copy(observer=None)
+
+    @property
+    def rewrites(self) -> bool:
+        """Whether the rewrite passes run on the jaxprs this walk enters
+        (not for an observer that compares op by op, such as ``diagnose``)."""
+        return getattr(self.observer, "fuses_attention", True)
 
     @property
     def key(self) -> tuple[Any, ...]:
@@ -474,13 +506,13 @@ def _saturate_constant(
     if isinstance(var, Literal) or isinstance(x, np.ndarray | np.generic | float):
         return clip_to_range(x, dtype)  # clipped in NumPy: no op in the program
     big = float(jnp.finfo(dtype).max)
-    known = walk.scalars.get(var)
+    known = walk.facts.scalars.get(var)
     if known is not None:
         value = float(known)
         if not np.isfinite(value) or abs(value) <= big:
             return x
         return lax.full(np.shape(x), np.copysign(big, value), x.dtype)
-    fits = walk.ranges.get(var)
+    fits = walk.facts.ranges.get(var)
     if fits is not None and fits[0] <= big:
         return x  # every finite value fits: the cast keeps it
     # A value unknown while walking (too large to fold, or made where it is
@@ -528,8 +560,8 @@ def run_own(
     line), so that the report lists every op the program runs."""
     env: dict[Any, Any] = {own.jaxpr.invars[0]: x}
     for eqn in own.jaxpr.eqns:
-        invals = [v.val if type(v) is Literal else env[v] for v in eqn.invars]
-        outs = bind_as_written(eqn, invals)
+        invals = [jaxprs.read(env, v) for v in eqn.invars]
+        outs = jaxprs.bind_as_written(eqn, invals)
         env.update(zip(eqn.outvars, outs, strict=True))
         if walk.observer is None:
             continue
@@ -540,7 +572,7 @@ def run_own(
             np.dtype(getattr(v, "dtype", None) or np.asarray(v).dtype) for v in invals
         ]
         walk.observer.on_own(walk, _shown_eqn(user, eqn), decision, ran, invals, outs)
-    [out] = [v.val if type(v) is Literal else env[v] for v in own.jaxpr.outvars]
+    [out] = [jaxprs.read(env, v) for v in own.jaxpr.outvars]
     return out
 
 
@@ -594,27 +626,6 @@ def _canonical_params(params: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def bind_as_written(eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
-    """Runs ``eqn`` exactly as traced (``diagnose``'s float32 reference)."""
-    params = eqn.primitive.get_bind_params(eqn.params)
-    subfuns: Sequence[Any] = ()
-    if isinstance(params, tuple):  # older JAX: (subfuns, params)
-        subfuns, params = params
-    out = eqn.primitive.bind(*subfuns, *invals, **params)
-    return list(out) if eqn.primitive.multiple_results else [out]
-
-
-def _has_jaxpr_params(params: dict[str, Any]) -> bool:
-    for v in params.values():
-        if isinstance(v, Jaxpr | ClosedJaxpr):
-            return True
-        if isinstance(v, tuple | list) and any(
-            isinstance(x, Jaxpr | ClosedJaxpr) for x in v
-        ):
-            return True
-    return False
-
-
 def default_rule(prim: Any, ctx: CastContext, *invals: Any, **params: Any) -> Any:
     """The rule for ops without their own: cast the operands as decided, bind
     the primitive, and round the result if the decision says so."""
@@ -653,6 +664,11 @@ def run_decided(
     return _run_rule(spec, eqn.primitive, ctx, invals)
 
 
+def _no_rerun(values: Sequence[Any]) -> list[Any]:
+    del values
+    raise NotImplementedError("a fused op is not rerun op by op")
+
+
 def run_eqn(
     walk: Walk, eqn: JaxprEqn, invals: list[Any], marks: Sequence[int]
 ) -> tuple[list[Any], list[int]]:
@@ -660,8 +676,10 @@ def run_eqn(
     prim = eqn.primitive
     spec = ops.spec_for(prim.name)
     n_out = len(eqn.outvars)
-    if (spec is not None and spec.is_higher_order) or _has_jaxpr_params(eqn.params):
-        walk.current = eqn
+    if (spec is not None and spec.is_higher_order) or jaxprs.has_jaxpr_params(
+        eqn.params
+    ):
+        walk = walk.at(eqn)
         hop_marks = [0] * n_out
         ctx = CastContext(walk.config, eqn, HIGHER_ORDER, walk, marks, hop_marks)
         outs: Any = NotImplemented
@@ -673,27 +691,37 @@ def run_eqn(
         return outs, hop_marks
     decision = decide_eqn(walk, eqn, spec, invals, marks)
     fused = False
-    if walk.wide:
-        products = [not isinstance(v, Literal) and v in walk.wide for v in eqn.invars]
+    if walk.facts.wide:
+        wide = walk.facts.wide
+        products = [type(v) is not Literal and v in wide for v in eqn.invars]
         epilogue = decide_epilogue(eqn, spec, decision, invals, marks, products)
         if epilogue is not None:
             decision, i = epilogue
-            invals[i] = walk.wide[eqn.invars[i]]
+            invals[i] = wide[eqn.invars[i]]
             fused = True
-    ctx = CastContext(walk.config, eqn, decision, walk, marks, [], fused)
+    # (A fused op's rule fills in its results' marks; a fusion not fused runs
+    # its equations, each reported on its own, and is not an op itself.)
+    rule_marks: list[int] = []
+    ctx = CastContext(walk.config, eqn, decision, walk, marks, rule_marks, fused)
     outs = _run_rule(spec, prim, ctx, invals)
     if spec is not None and spec.product is not None and not walk.backward:
         _note_partners(walk, eqn, decision, invals)
-    if walk.observer is not None:
-        plain = walk.probe()
+    fusion = spec is not None and ops.FUSION in spec.flags
+    if walk.observer is not None and decision is not HIGHER_ORDER:
+        if fusion:
+            rerun = _no_rerun
+        else:
+            plain = walk.probe()
 
-        def rerun(values: Sequence[Any]) -> list[Any]:
-            with _eqn_context(eqn):
-                return run_decided(plain, eqn, decision, values, marks, fused=fused)
+            def rerun(values: Sequence[Any]) -> list[Any]:
+                with _eqn_context(eqn):
+                    return run_decided(plain, eqn, decision, values, marks, fused=fused)
 
         walk.observer.on_eqn(
             walk, eqn, decision, ran_with(decision, eqn, invals), invals, outs, rerun
         )
+    if rule_marks:
+        return outs, rule_marks
     return outs, out_marks(spec, eqn, marks, n_out, walk.backward)
 
 
@@ -736,307 +764,68 @@ def eval_jaxpr(
             raise ValueError("`eval_jaxpr`: pass no `consts` with a ClosedJaxpr.")
         consts = jaxpr.consts
         jaxpr = jaxpr.jaxpr
-    walk = walk._copy()  # its own `wide`, `scalars`, `producers`: never the caller's
+    facts = Facts()
+    walk = walk.over(facts)
+    if walk.rewrites:
+        jaxpr = rewrites.rewrite(jaxpr, consts, known)  # type: ignore[arg-type]
     env: dict[Any, Any] = {}
     mk: dict[Any, int] = {}
     for v, x in zip(jaxpr.constvars, consts, strict=True):
         env[v] = x
         mk[v] = CONST | INPUT
-        _note_constant(walk, v, x)
+        facts_lib.note_constant(facts, v, x)
     if marks is None:
         marks = [0] * len(args)
     for v, x, m in zip(jaxpr.invars, args, marks, strict=True):
         env[v] = x
         mk[v] = m
     for v, x in zip(jaxpr.invars, known, strict=False):
-        _note_constant(walk, v, x)
-    # A recognised attention runs as one unit when its last equation is
-    # reached (its inputs are all computed by then); its other equations wait.
-    # In a differentiated program its backward pass runs as one unit where
-    # its first gradient is read.
-    open_jaxpr: Jaxpr = jaxpr  # type: ignore[assignment]
-    fusable = _attentions(walk, open_jaxpr, consts)
-    skip = {i for m in fusable.values() for i in m.region if i != m.anchor}
-    for m in fusable.values():
-        if m.backward is not None:
-            skip |= m.backward.region | m.backward.dropped
-    due: dict[int, list[Callable[[], None]]] = {}
-    for index, eqn in enumerate(jaxpr.eqns):
-        for run_backward in due.pop(index, ()):
-            run_backward()
-        if index in skip:
-            continue
-        match = fusable.get(index)
-        if match is None:
-            _step(walk, eqn, env, mk)
-            continue
-        ran = _run_attention(walk, open_jaxpr, match, env, mk)
-        bwd = match.backward
-        if ran is None:
-            # Unfused: its equations one by one (the backward's forward
-            # residuals with them), the rest of the backward in its place.
-            early = set() if bwd is None else {i for i in bwd.region if i < index}
-            for i in sorted(match.region | early):
-                _step(walk, jaxpr.eqns[i], env, mk)
-            if bwd is not None:
-                skip -= bwd.region - early
-        elif bwd is not None:
-            due.setdefault(bwd.at, []).append(ran)
-    for run_backward in due.pop(len(jaxpr.eqns), ()):
-        run_backward()
-    outs = [v.val if type(v) is Literal else env[v] for v in jaxpr.outvars]
-    outmarks = [literal_mark() if type(v) is Literal else mk[v] for v in jaxpr.outvars]
+        facts_lib.note_constant(facts, v, x)
+    for eqn in jaxpr.eqns:
+        _step(walk, eqn, env, mk)
+    return _read_out(jaxpr.outvars, env, mk)
+
+
+def run_inline(
+    walk: Walk,
+    eqns: Sequence[JaxprEqn],
+    invars: Sequence[Any],
+    invals: Sequence[Any],
+    inmarks: Sequence[int],
+    outvars: Sequence[Any],
+) -> tuple[list[Any], list[int]]:
+    """Walks ``eqns`` (equations of the jaxpr ``walk`` is in, taken out of it
+    by a rewrite) on ``invals`` as if they were still in place: with the same
+    facts, each decided and reported on its own. Returns the values and marks
+    of ``outvars``."""
+    env = dict(zip(invars, invals, strict=True))
+    mk = dict(zip(invars, inmarks, strict=True))
+    for eqn in eqns:
+        _step(walk, eqn, env, mk)
+    return _read_out(outvars, env, mk)
+
+
+def _read_out(
+    outvars: Sequence[Any], env: dict[Any, Any], mk: dict[Any, int]
+) -> tuple[list[Any], list[int]]:
+    outs = [jaxprs.read(env, v) for v in outvars]
+    outmarks = [literal_mark() if type(v) is Literal else mk[v] for v in outvars]
     return outs, outmarks
 
 
 def _step(walk: Walk, eqn: JaxprEqn, env: dict[Any, Any], mk: dict[Any, int]) -> None:
     """Runs one equation of a jaxpr being evaluated, in ``env``."""
-    invals = [v.val if type(v) is Literal else env[v] for v in eqn.invars]
+    invals = [jaxprs.read(env, v) for v in eqn.invars]
     inmarks = [literal_mark() if type(v) is Literal else mk[v] for v in eqn.invars]
-    w = walk.for_eqn(eqn)
-    if w is not walk:
-        _share_tables(walk, w)
     with _eqn_context(eqn):
-        outs, outmarks = run_eqn(w, eqn, invals, inmarks)
+        outs, outmarks = run_eqn(walk.for_eqn(eqn), eqn, invals, inmarks)
+    producers = walk.facts.producers
     for v, x, m in zip(eqn.outvars, outs, outmarks, strict=True):
         env[v] = x
         mk[v] = m
-        walk.producers[v] = eqn
-    _note_scalar(walk, eqn, inmarks)
-    _fold_constant(walk, eqn, inmarks)
-
-
-def _share_tables(walk: Walk, w: Walk) -> None:
-    """Gives the walk of one equation the tables of the jaxpr's walk."""
-    w.wide, w.scalars, w.partners = walk.wide, walk.scalars, walk.partners
-    w.producers, w.casts = walk.producers, walk.casts
-    w.ranges, w.values = walk.ranges, walk.values
-
-
-def _attentions(
-    walk: Walk, jaxpr: Jaxpr, consts: Sequence[Any]
-) -> dict[int, attention.Match]:
-    """The attentions of ``jaxpr`` the walk may fuse (none for an observer
-    that compares op by op, such as ``diagnose``)."""
-    if not getattr(walk.observer, "fuses_attention", True):
-        return {}
-    return attention.find(jaxpr, consts)
-
-
-def _run_attention(
-    walk: Walk,
-    jaxpr: Jaxpr,
-    match: attention.Match,
-    env: dict[Any, Any],
-    mk: dict[Any, int],
-) -> Callable[[], None] | None:
-    """Runs a recognised attention as one unit, if its decision says so:
-    fused per platform, the other platforms' formulation being its
-    equations run one by one. Returns ``None`` where it did not run, else
-    what runs its backward pass (in a differentiated program; else nothing).
-    """
-    values = [env[v] for v in match.inputs]
-    w = walk.for_eqn(jaxpr.eqns[match.first])
-    if w is not walk:
-        _share_tables(walk, w)
-    dtypes = [float_dtype(values[i[0]]) or _F32 for i in (match.q, match.k, match.v)]
-    decision = decide_attention(w, match.pattern, dtypes)
-    if decision is None:
-        return None
-    marks = [mk[v] for v in match.inputs]
-    out_var = jaxpr.eqns[match.anchor].outvars[0]
-    low = np.dtype(decision.dtype)
-    region = [jaxpr.eqns[i] for i in sorted(match.region)]
-    plain = w.probe()
-    bwd = match.backward
-    saved = () if bwd is None else bwd.saved
-    out_shape = aval_shape(out_var)
-    run_backward: Callable[[], None] | None = None
-
-    def unfused_values(*vals: Any) -> tuple[list[Any], list[int]]:
-        local = dict(zip(match.inputs, vals, strict=True))
-        lmk = dict(zip(match.inputs, marks, strict=True))
-        _run_eqns(plain, region, local, lmk)
-        keep = [out_var, *saved]
-        return [local[v] for v in keep], [lmk[v] for v in keep]
-
-    if bwd is None:
-
-        def unfused(*vals: Any) -> Any:
-            return cast(unfused_values(*vals)[0][0], low)
-
-        def cudnn(*vals: Any) -> Any:
-            try:
-                return attention.fused(match, vals, low, out_shape)
-            except Exception:  # noqa: BLE001  (no cuDNN here, or shapes it refuses)
-                return unfused(*vals)
-
-        with _eqn_context(jaxpr.eqns[match.first]):
-            out = per_platform(
-                tuple(values), platform=w.config.platform, default=unfused, cuda=cudnn
-            )
-    else:
-        # The cuda formulation keeps the fused kernel's residuals for its
-        # derivative, the other the values its backward equations read; each
-        # returns zeros in place of the other's (never read: a lowering
-        # keeps one platform's formulation of both passes).
-        slots = [spec[0] for spec in (match.q, match.k, match.v)]
-
-        def with_vjp(*vals: Any) -> tuple[Any, Any]:
-            def of(qkv: Any) -> Any:
-                full = list(vals)
-                for pos, x in zip(slots, qkv, strict=True):
-                    full[pos] = x
-                return attention.fused(match, full, low, out_shape)
-
-            # (Its operands are cast here; what JAX's implementation mixes
-            # inside is not the user's code.)
-            with jax.numpy_dtype_promotion("standard"):
-                return jax.vjp(of, tuple(cast(vals[pos], low) for pos in slots))
-
-        found: dict[str, Any] = {}
-
-        def residuals_of(*vals: Any) -> Any:
-            leaves, found["tree"] = jax.tree.flatten(with_vjp(*vals)[1])
-            return leaves
-
-        def kept_of(*vals: Any) -> Any:
-            kept, found["marks"] = unfused_values(*vals)
-            return kept
-
-        try:
-            res_shapes = jax.eval_shape(residuals_of, *values)
-        except Exception:  # noqa: BLE001  (no cuDNN here, or shapes it refuses)
-            res_shapes = None  # every platform runs the equations
-        kept_shapes = jax.eval_shape(kept_of, *values)
-        res_tree, kept_marks = found.get("tree"), found["marks"]
-
-        def zeros(shapes: Any) -> list[Any]:
-            return [jnp.zeros(x.shape, x.dtype) for x in shapes]
-
-        def unfused_fwd(*vals: Any) -> Any:
-            kept = unfused_values(*vals)[0]
-            return (cast(kept[0], low), *kept[1:], *zeros(res_shapes or ()))
-
-        def cudnn_fwd(*vals: Any) -> Any:
-            out, vjp = with_vjp(*vals)
-            return (out, *zeros(kept_shapes[1:]), *jax.tree.leaves(vjp))
-
-        with _eqn_context(jaxpr.eqns[match.first]):
-            outs = per_platform(
-                tuple(values),
-                platform=w.config.platform,
-                default=unfused_fwd,
-                cuda=unfused_fwd if res_shapes is None else cudnn_fwd,
-            )
-        out = outs[0]
-        for v, x, m_ in zip(
-            saved, outs[1 : 1 + len(saved)], kept_marks[1:], strict=True
-        ):
-            env[v], mk[v] = x, m_
-        residuals = list(outs[1 + len(saved) :])
-
-        def backward_pass() -> None:
-            _run_attention_backward(
-                walk, jaxpr, match, env, mk, decision, low, res_tree, residuals
-            )
-
-        run_backward = backward_pass
-
-    env[out_var] = out
-    mk[out_var] = 0
-    if walk.observer is not None:
-        rec = match.eqn
-
-        def rerun(vals: Sequence[Any]) -> list[Any]:
-            del vals
-            raise NotImplementedError("a fused attention is not rerun op by op")
-
-        walk.observer.on_eqn(
-            w, rec, decision, [low] * len(rec.invars),
-            [env[v] for v in rec.invars], [out], rerun,
-        )  # fmt: skip
-    return run_backward or (lambda: None)
-
-
-def _run_eqns(
-    walk: Walk, eqns: Sequence[JaxprEqn], local: dict[Any, Any], lmk: dict[Any, int]
-) -> None:
-    """Runs ``eqns`` in order in ``local`` (a formulation's own environment)."""
-    for eqn in eqns:
-        invals = [v.val if type(v) is Literal else local[v] for v in eqn.invars]
-        inmarks = [literal_mark() if type(v) is Literal else lmk[v] for v in eqn.invars]
-        with _eqn_context(eqn):
-            outs, outmarks = run_eqn(walk.for_eqn(eqn), eqn, invals, inmarks)
-        for v, x, m in zip(eqn.outvars, outs, outmarks, strict=True):
-            local[v], lmk[v] = x, m
-
-
-def _run_attention_backward(
-    walk: Walk,
-    jaxpr: Jaxpr,
-    match: attention.Match,
-    env: dict[Any, Any],
-    mk: dict[Any, int],
-    decision: Decision,
-    low: np.dtype,
-    res_tree: Any,
-    residuals: list[Any],
-) -> None:
-    """Runs the backward pass of a fused attention: on cuda the fused
-    kernel's derivative, elsewhere its equations one by one."""
-    bwd = match.backward
-    assert bwd is not None
-    eqns = [jaxpr.eqns[i] for i in sorted(bwd.region)]
-    w = walk.for_eqn(bwd.eqn)
-    if w is not walk:
-        _share_tables(walk, w)
-    plain = w.probe()
-    reads = [env[v] for v in bwd.reads]
-    read_marks = [mk[v] for v in bwd.reads]
-    grads = [g for g in bwd.grads if g is not None]
-    found: dict[str, Any] = {}
-
-    def unfused(*vals: Any) -> list[Any]:
-        local = dict(zip(bwd.reads, vals[: len(reads)], strict=True))
-        lmk = dict(zip(bwd.reads, read_marks, strict=True))
-        _run_eqns(plain, eqns, local, lmk)
-        found["marks"] = [lmk[g] for g in grads]
-        return [local[g] for g in grads]
-
-    shapes = jax.eval_shape(unfused, *reads, *residuals)
-
-    def cudnn(*vals: Any) -> list[Any]:
-        vjp = jax.tree.unflatten(res_tree, vals[len(reads) :])
-        with jax.numpy_dtype_promotion("standard"):
-            (cts,) = vjp(cast(vals[0], low))
-        computed = [c for c, g in zip(cts, bwd.grads, strict=True) if g is not None]
-        return [cast(c, s.dtype) for c, s in zip(computed, shapes, strict=True)]
-
-    with _eqn_context(bwd.eqn):
-        outs = per_platform(
-            (*reads, *residuals),
-            platform=w.config.platform,
-            default=unfused,
-            cuda=unfused if res_tree is None else cudnn,
-        )
-    for g, x, m in zip(grads, outs, found["marks"], strict=True):
-        env[g], mk[g] = x, m
-    if walk.observer is not None:
-        rec = bwd.eqn
-        back = dataclasses.replace(
-            decision,
-            reason=decision.reason.replace("attention (", "attention's gradient (", 1),
-        )
-
-        def rerun(vals: Sequence[Any]) -> list[Any]:
-            del vals
-            raise NotImplementedError("a fused attention is not rerun op by op")
-
-        walk.observer.on_eqn(
-            w, rec, back, [low] * len(rec.invars),
-            [env[v] for v in rec.invars], outs, rerun,
-        )  # fmt: skip
+        producers[v] = eqn
+    facts_lib.note_scalar(walk.facts, eqn, inmarks)
+    facts_lib.fold_constant(walk.facts, eqn, inmarks)
 
 
 def _note_partners(
@@ -1057,99 +846,11 @@ def _note_partners(
         return
     a, b = eqn.invars[:2]
     da, db = float_dtype(invals[0]), float_dtype(invals[1])
+    partners = walk.facts.partners
     for var, partner in ((a, db), (b, da)):
-        if isinstance(var, Literal) or partner is None:
+        if type(var) is Literal or partner is None:
             continue
-        seen = walk.partners.get(var)
+        seen = partners.get(var)
         if seen is not None and seen != partner:
             partner = _F32
-        walk.partners[var] = partner
-
-
-#: The largest constant (in elements) whose value is computed while walking,
-#: to know its range (see :func:`_fold_constant`).
-FOLD_LIMIT = 1 << 16
-
-
-def value_range(x: Any) -> tuple[float, float]:
-    """``(largest finite, smallest non-zero finite)`` magnitude of ``x``
-    (``(0.0, inf)`` when it has none).
-
-    Examples:
-        >>> value_range(np.array([0.0, -3.0, 1e-3, np.inf]))
-        (3.0, 0.001)
-    """
-    a = np.abs(np.asarray(x, dtype=np.float64))
-    a = a[np.isfinite(a)]
-    if a.size == 0:
-        return 0.0, float("inf")
-    nonzero = a[a > 0]
-    return float(a.max()), float(nonzero.min()) if nonzero.size else float("inf")
-
-
-def _note_constant(walk: Walk, var: Any, x: Any) -> None:
-    """Records the range (and, if small, the value) of a closed-over constant."""
-    if _compat.is_tracer(x) or not hasattr(x, "dtype"):
-        return
-    if jnp.issubdtype(x.dtype, jax.dtypes.extended):
-        return  # a PRNG key
-    if float_dtype(x) is not None:
-        walk.ranges[var] = value_range(x)
-    if np.size(x) <= FOLD_LIMIT:
-        walk.values[var] = np.asarray(x)
-    if np.ndim(x) == 0:
-        walk.scalars[var] = np.asarray(x)  # a fill of it saturates without a clamp
-
-
-def known_value(walk: Walk, var: Any) -> Any:
-    """The value of a constant operand known while walking (a literal, a small
-    closed-over array, a constant folded from those), or ``None``."""
-    if type(var) is Literal:
-        return np.asarray(var.val)
-    if var in walk.values:
-        return walk.values[var]
-    known = walk.scalars.get(var)
-    if known is not None:
-        return np.broadcast_to(np.asarray(known), aval_shape(var))
-    return None
-
-
-def _fold_constant(walk: Walk, eqn: JaxprEqn, inmarks: Sequence[int]) -> None:
-    """Computes, as written, a small constant made from known constants (a
-    ``1e5 * 3`` the program computes), to know its range: the same in
-    ``autocast``, ``explain`` and ``diagnose``, whatever is traced."""
-    if not all(m & CONST for m in inmarks) or eqn.effects:
-        return
-    if _has_jaxpr_params(eqn.params) or len(eqn.outvars) != 1:
-        return
-    out = eqn.outvars[0]
-    if not hasattr(out.aval, "dtype") or int(np.prod(aval_shape(out))) > FOLD_LIMIT:
-        return
-    if out in walk.scalars:
-        return  # a view of a known scalar: its range is known
-    args = [known_value(walk, v) for v in eqn.invars]
-    if any(a is None for a in args):
-        return
-    try:
-        with jax.ensure_compile_time_eval():
-            [value] = bind_as_written(eqn, args)
-        value = np.asarray(value)
-    except Exception:  # noqa: BLE001  (not computable here: range unknown)
-        return
-    walk.values[out] = value
-    if float_dtype(value) is not None:
-        walk.ranges[out] = value_range(value)
-
-
-def _note_scalar(walk: Walk, eqn: JaxprEqn, inmarks: Sequence[int]) -> None:
-    """Remembers the value of a constant that views a known scalar (a scalar
-    broadcast, reshaped or converted), for :func:`_saturate_constant`."""
-    if not (inmarks and inmarks[0] & CONST and len(eqn.outvars) == 1):
-        return
-    spec = ops.spec_for(eqn.primitive.name)
-    if spec is None or ops.VIEW not in spec.flags:
-        return
-    src = eqn.invars[0]
-    known = src.val if type(src) is Literal else walk.scalars.get(src)
-    if known is not None and np.ndim(known) == 0:
-        walk.scalars[eqn.outvars[0]] = known
+        partners[var] = partner

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
-from jax.extend.core import Jaxpr, JaxprEqn, Literal
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal
 
 from mixprec._src import _compat
 
@@ -36,6 +36,8 @@ __all__ = [
     "backward_eqns",
     "bind_as_written",
     "dead_eqns",
+    "has_jaxpr_params",
+    "param_key",
     "producers",
     "read",
     "structural_names",
@@ -58,6 +60,18 @@ def bind_as_written(eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
         subfuns, params = params
     out = eqn.primitive.bind(*subfuns, *invals, **params)
     return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def has_jaxpr_params(params: dict[str, Any]) -> bool:
+    """Whether an equation's parameters hold a jaxpr (a body)."""
+    for v in params.values():
+        if isinstance(v, Jaxpr | ClosedJaxpr):
+            return True
+        if isinstance(v, tuple | list) and any(
+            isinstance(x, Jaxpr | ClosedJaxpr) for x in v
+        ):
+            return True
+    return False
 
 
 def _per_jaxpr(fn: Callable[[Jaxpr], T]) -> Callable[[Jaxpr], T]:
@@ -125,10 +139,10 @@ def backward_eqns(jaxpr: Jaxpr) -> frozenset[int]:
     )
 
 
-def _norm(x: Any) -> Any:
+def param_key(x: Any) -> Any:
     """A hashable form of an equation parameter."""
     if isinstance(x, tuple | list):
-        return tuple(_norm(y) for y in x)
+        return tuple(param_key(y) for y in x)
     if isinstance(x, np.generic):
         return x.item()
     if isinstance(x, np.ndarray):
@@ -195,7 +209,7 @@ class StructuralNames:
                 body = getattr(inner, "jaxpr", inner)
                 outs = self.of_jaxpr(body, getattr(inner, "consts", ()), ins)
             else:
-                params = tuple(sorted((k, _norm(v)) for k, v in e.params.items()))
+                params = tuple(sorted((k, param_key(v)) for k, v in e.params.items()))
                 key = (e.primitive.name, params, ins)
                 outs = [self._intern((*key, k), ins) for k in range(len(e.outvars))]
             env.update(zip(e.outvars, outs, strict=True))

@@ -44,6 +44,9 @@ Flags:
   down, such a constant saturates to the low dtype's finite range, which keeps
   the result. Any other op with a constant the low dtype cannot hold (beyond
   its largest value, or so small it becomes 0) runs in float32.
+* :data:`FUSION`: the op of a fusion, an equation a rewrite pass put in place
+  of several (:mod:`~mixprec._src.autocast.rewrites`): fused where every op it
+  replaces would run in the low dtype, else run as those ops.
 
 Matmul-like ops (``dot_general``, ``conv_general_dilated``) carry a
 :class:`Product` in their entry: their dimensions (for float8's skip rules,
@@ -85,6 +88,7 @@ __all__ = [
     "EPILOGUE",
     "FILL",
     "FLOAT8",
+    "FUSION",
     "STATISTIC",
     "register_rule",
     "COMPOSITES",
@@ -116,6 +120,10 @@ EPILOGUE: Final = "epilogue"
 FILL: Final = "fill"
 #: A sum across devices: it runs in the policy's ``reduce_dtype``.
 CROSS_DEVICE_SUM: Final = "cross_device_sum"
+#: A fusion: an op a rewrite pass made of several (a written-out attention),
+#: fused where every op it replaces would run in the low dtype, else run as
+#: those ops (see :func:`def_fusion`).
+FUSION: Final = "fusion"
 FLAGS: Final = frozenset(
     {
         OPAQUE,
@@ -128,6 +136,7 @@ FLAGS: Final = frozenset(
         EPILOGUE,
         FILL,
         CROSS_DEVICE_SUM,
+        FUSION,
     }
 )
 
@@ -266,6 +275,15 @@ def add_flags(names: Iterable[str], *flags: str) -> None:
     for name in names:
         spec = _ops[name]
         _ops[name] = dataclasses.replace(spec, flags=spec.flags | new)
+
+
+def def_fusion(name: str, reason: str, rule: Callable[..., Any]) -> None:
+    """Adds the op of a fusion (the private primitive a rewrite pass puts in
+    place of the ops it recognised) to the table, in the allow list, with its
+    rule. It is decided from the ops it replaces
+    (:func:`~mixprec._src.autocast.decide.decide_fusion`)."""
+    _define("allow", [name], reason, flags=[FUSION])
+    set_rule(name, rule)
 
 
 def def_higher_order(names: Iterable[str], reason: str) -> None:
@@ -1285,12 +1303,21 @@ class OpLists:
         return {c: sorted(getattr(self, c)) for c in OP_CLASSES}
 
 
-_DEFAULT = OpLists(
-    **{
-        c: [s.name for s in _ops.values() if s.op_class == c]  # type: ignore[misc]
-        for c in OP_CLASSES
-    }
-)
+_default_lists: list[tuple[int, OpLists]] = []
+
+
+def _table_lists() -> OpLists:
+    """The lists as the table classifies each op, made again only when the
+    table has grown (a rule module defines a fusion's entry when imported)."""
+    if not _default_lists or _default_lists[0][0] != len(_ops):
+        lists = OpLists(
+            **{
+                c: [s.name for s in _ops.values() if s.op_class == c]  # type: ignore[misc]
+                for c in OP_CLASSES
+            }
+        )
+        _default_lists[:] = [(len(_ops), lists)]
+    return _default_lists[0][1]
 
 
 def default_op_lists() -> OpLists:
@@ -1305,7 +1332,7 @@ def default_op_lists() -> OpLists:
         >>> "dot_general" in lists.allow and "log_softmax" in lists.deny
         True
     """
-    return _DEFAULT
+    return _table_lists()
 
 
 def class_table() -> list[tuple[str, str, str, tuple[str, ...]]]:

@@ -80,7 +80,7 @@ def known_operands(ctx: CastContext) -> list[Any]:
     if _CALL_BODIES.get(ctx.eqn.primitive.name, (None, None))[1] != "jit":
         return []
     return [
-        itp.known_value(ctx.walk, v) if m & CONST else None
+        itp.known_value(ctx.walk.facts, v) if m & CONST else None
         for v, m in zip(ctx.eqn.invars, ctx.marks, strict=True)
     ]
 
