@@ -833,3 +833,28 @@ def test_the_walk_steps_loops_only_for_an_observer_that_asks():
     assert seen[("dot_general", "while/body")] == 1
     assert seen[("dot_general", "scan/body")] == 2
     assert all(is_tracer(o) for *_, o in tracer.seen)
+
+
+def test_a_higher_order_op_without_a_stepping_path_is_compared_as_one_op():
+    def f(w, x):
+        a = x @ w
+        # custom_linear_solve has no stepping path: its rule runs unobserved.
+        sol = jax.lax.custom_linear_solve(
+            lambda v: 2.0 * v, a, solve=lambda mv, b: b / 2.0, symmetric=True
+        )
+        return sol * 3.0
+
+    w, x = _loops_args()
+    report = mixprec.diagnose(f, w, x, policy="mixed_bfloat16", refine=False)
+    [solve] = report.find("custom_linear_solve")
+    assert solve.path == "" and solve.calls == 1 and solve.elements == x.size
+    assert solve.in_dtypes == ("bfloat16",) and solve.f32_dtypes == ("float32",)
+    assert solve.rel_error < 10 * tol(jnp.bfloat16)
+    assert "custom_linear_solve: compared as a whole, not op by op" in report.notes
+    # Nothing inside it was observed: the walk inside was a traced one.
+    assert [op.primitive for op in report.ops] == [
+        "dot_general",
+        "custom_linear_solve",
+        "mul",
+    ]
+    assert report.output_rel_error[0] < 10 * tol(jnp.bfloat16)
