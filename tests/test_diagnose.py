@@ -6,6 +6,8 @@ mixlist makes the problem go away when fed back to ``mixprec.autocast``, and
 without it autocast really does produce the inf/zero (so the test can fail).
 """
 
+import collections
+import dataclasses
 import inspect
 import json
 import math
@@ -14,10 +16,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import tol
+from helpers import iter_eqns, tol
+from jax.extend.core import Literal
 
 import mixprec
+from mixprec._src._compat import is_tracer
+from mixprec._src.autocast import api, interpreter as itp
+from mixprec._src.autocast.config import make_config
 from mixprec._src.numerics.advice import merge_black_list
+from mixprec._src.numerics.record import OpRecord
 
 
 F16 = "mixed_float16"
@@ -594,3 +601,260 @@ def test_advice_names_the_flax_layer_and_the_line_that_calls_it():
     assert report.scope_verified is True
     # The primitive-wide black list would move the three healthy dots too.
     assert report.black_list_reach["dot_general"] == 3
+
+
+# ------------------------------------- one walk: records and stepped control flow
+
+
+def _loops(w, x):
+    # Both loops carry a float32 state their bodies compute in the low dtype:
+    # each iteration's result is cast back to the carry's dtype.
+    def cell(h, xi):
+        h = jnp.tanh(h @ w)
+        return h, jnp.exp(h + xi).sum()
+
+    h, ys = jax.lax.scan(cell, jnp.zeros(8), x)
+
+    def body(c):
+        i, acc = c
+        return i + 1, jnp.sin(acc @ w) * x[i]
+
+    _, acc = jax.lax.while_loop(lambda c: c[0] < 3, body, (0, h))
+    out = jax.lax.cond(
+        acc.sum() > -1e9,
+        lambda v: jnp.log1p(jnp.abs(v @ w)),
+        lambda v: v * 2.0,
+        acc,
+    )
+    return out, ys
+
+
+def _loops_args():
+    k1, k2 = jax.random.split(jax.random.key(7))
+    return jax.random.normal(k1, (8, 8)) / 4, jax.random.normal(k2, (5, 8))
+
+
+# Primitives a dot formulation (a per-platform `cond`) or a cast adds to the
+# staged body by itself; dots are checked on their own.
+_ADDED = {
+    "platform_index",
+    "convert_element_type",
+    "optimization_barrier",
+    "reshape",
+    "transpose",
+    "broadcast_in_dim",
+    "dot_general",
+    "custom_vjp_call",
+    "cond",
+}
+
+
+def _bodies(staged):
+    """The bodies of the staged scan, while and cond, by the path diagnose
+    reports their ops at (``lax.cond``'s true branch is branch 1)."""
+    found = {}
+    for e in staged.jaxpr.eqns:
+        name = e.primitive.name
+        if name == "scan":
+            found["scan/body"] = e.params["jaxpr"]
+        elif name == "while":
+            found["while/body"] = e.params["body_jaxpr"]
+            found["while/cond"] = e.params["cond_jaxpr"]
+        elif name == "cond":
+            found["cond/branch1"] = e.params["branches"][1]
+    return found
+
+
+@pytest.mark.parametrize("policy", [F16, "mixed_bfloat16"])
+def test_diagnose_steps_loops_with_the_decisions_autocast_makes(policy):
+    w, x = _loops_args()
+    diag = mixprec.diagnose(_loops, w, x, policy=policy, refine=False)
+    report = mixprec.explain(_loops, w, x, policy=policy)
+    bodies = _bodies(jax.make_jaxpr(mixprec.autocast(_loops, policy))(w, x))
+    trips = {"scan/body": 5, "while/body": 3, "while/cond": 4, "cond/branch1": 1}
+    assert set(bodies) == set(trips)
+
+    def decided(op):
+        return (op.primitive, op.in_dtypes, op.out_dtypes, op.decision, op.reason)
+
+    # Everywhere (the taken branch only), the decisions and dtypes are those of
+    # autocast's own walk: explain records them. Outside the loops, this says
+    # the carries left each loop in the dtype autocast gives them.
+    paths = {op.path for op in report.ops} - {"cond/branch0"}
+    assert paths == set(trips) | {""}
+    for path in paths:
+        ops = [op for op in diag.ops if op.path == path]
+        explained = [op for op in report.ops if op.path == path]
+        assert sorted(map(decided, ops)) == sorted(map(decided, explained)), path
+    for path, n in trips.items():
+        ops = [op for op in diag.ops if op.path == path]
+        assert ops, path
+        # Each iteration was walked and compared: one site, n calls.
+        assert all(op.calls == n for op in ops), [
+            (op.primitive, op.calls) for op in ops
+        ]
+        # The dtypes are those of the body autocast stages out.
+        staged = list(iter_eqns(bodies[path]))
+        want = collections.Counter(
+            (e.primitive.name, tuple(str(v.aval.dtype) for v in e.invars))
+            for e in staged
+            if e.primitive.name not in _ADDED
+        )
+        got = collections.Counter(
+            (op.primitive, op.in_dtypes) for op in ops if op.primitive not in _ADDED
+        )
+        assert got == want, path
+        # (A dot's formulation is per platform: its record says the dtype it
+        # was decided in, the explain records above the decision.)
+        dots = {op.decision for op in ops if op.primitive == "dot_general"}
+        assert dots <= {"low"}, path
+    # The stepped values are autocast's: the outputs agree with float32 to the
+    # low dtype's tolerance, and diagnose found no problem.
+    low = jnp.dtype(diag.low_dtype)
+    assert diag.ok and all(e < 10 * tol(low) for e in diag.output_rel_error)
+
+
+def test_diagnose_reports_the_records_explain_reports_with_measurements_added():
+    def f(w, x):
+        h = jnp.tanh(x @ w) * 3.0
+        return jnp.exp(h) + h.sum()
+
+    w, x = _loops_args()
+    report = mixprec.explain(f, w, x[:4], policy=F16)
+    diag = mixprec.diagnose(f, w, x[:4], policy=F16, refine=False)
+    shared = [f.name for f in dataclasses.fields(OpRecord) if f.name != "eqn"]
+    assert len(diag.ops) == len(report.ops) > 4
+    for a, b in zip(report.ops, diag.ops, strict=True):
+        assert isinstance(b, OpRecord)
+        assert str(b.eqn) == str(a.eqn)  # the same equation (each traced its own)
+        assert {k: getattr(b, k) for k in shared} == {k: getattr(a, k) for k in shared}
+        explained, diagnosed = a.to_dict(), b.to_dict()
+        assert {k: diagnosed[k] for k in explained} == explained
+        assert diagnosed["calls"] == 1 and "problems" in diagnosed
+
+
+class _Stepper:
+    """The smallest observer that has the walk step: it keeps each variable's
+    value as written beside the walk's (as diagnose does) and records what the
+    walk shows it."""
+
+    fuses_attention = False
+
+    def __init__(self, *, steps, max_loop_steps=100):
+        self.steps = steps
+        self.max_loop_steps = max_loop_steps
+        self.ref = {}
+        self.seen = []
+        self.notes = []
+
+    def seed(self, variables, values):
+        for v, x in zip(variables, values, strict=True):
+            if type(v) is not Literal:
+                self.ref[v] = x
+
+    def read(self, variables):
+        return [v.val if type(v) is Literal else self.ref[v] for v in variables]
+
+    def on_eqn(self, walk, eqn, decision, ran_with, invals, outs, rerun):
+        del decision, ran_with, invals, rerun
+        if self.steps:
+            self.seed(eqn.outvars, itp.bind_as_written(eqn, self.read(eqn.invars)))
+        self.seen.append((eqn.primitive.name, walk.path, outs[0]))
+
+    def on_own(self, walk, eqn, decision, ran_with, invals, outs):
+        del walk, eqn, decision, ran_with, invals, outs
+
+    def on_note(self, walk, eqn, text):
+        del walk, eqn
+        self.notes.append(text)
+
+
+def _walk_concretely(fn, args, config, observer):
+    call = api.split_call(fn, args, {})
+    source = call.source(config)
+    values = [*source.consts, *(call.leaves[i] for i in call.dyn_idx)]
+    observer.seed(source.jaxpr.invars, values)
+    walk = api.region_walk(config, observer)
+    outs, _ = itp.eval_jaxpr(
+        walk, source.jaxpr, (), values, source.in_marks(), source.consts
+    )
+    return outs, observer.read(source.jaxpr.outvars)
+
+
+def test_the_walk_steps_loops_only_for_an_observer_that_asks():
+    # Both loops compute a float32 carry in bfloat16: each iteration's result
+    # is cast back to float32, as autocast's loops do.
+    def f(w, x):
+        def body(c):
+            i, h = c
+            return i + 1, jnp.tanh(h @ w)
+
+        h = jax.lax.while_loop(lambda c: c[0] < 4, body, (0, x))[1]
+        c, ys = jax.lax.scan(lambda c, r: (jnp.tanh(c @ w), r @ w), h[0], x)
+        return h, c, ys
+
+    w, x = _loops_args()
+    config = make_config("mixed_bfloat16").resolved()
+    want = mixprec.autocast(f, "mixed_bfloat16")(w, x)
+
+    def check(got, ref=None):
+        # The carries leave their loops in float32 (the ys as computed: the
+        # policy's output cast comes after the walk).
+        assert [o.dtype for o in got] == [jnp.float32, jnp.float32, jnp.bfloat16]
+        for a, b in zip(got, want, strict=True):
+            assert rel_err(a, b) < tol(jnp.bfloat16)
+        if ref is not None:  # float32's values, carried beside
+            for a, b in zip(ref, f(w, x), strict=True):
+                assert a.dtype == jnp.float32 and rel_err(a, b) < tol(jnp.float32)
+
+    stepper = _Stepper(steps=True)
+    got, ref = _walk_concretely(f, (w, x), config, stepper)
+    seen = collections.Counter((p, path) for p, path, _ in stepper.seen)
+    assert seen[("dot_general", "while/body")] == 4
+    assert seen[("dot_general", "scan/body")] == 10
+    assert seen[("lt", "while/cond")] == 5
+    # Concrete values, every iteration; the same numbers autocast computes,
+    # and float32's beside them.
+    assert all(isinstance(o, jax.Array) and not is_tracer(o) for *_, o in stepper.seen)
+    check(got, ref)
+
+    # At most max_loop_steps iterations are stepped; the rest runs as a whole.
+    capped = _Stepper(steps=True, max_loop_steps=2)
+    got, _ = _walk_concretely(f, (w, x), config, capped)
+    seen = collections.Counter((p, path) for p, path, _ in capped.seen)
+    assert seen[("dot_general", "while/body")] == 2
+    assert any("first 2 iterations" in n for n in capped.notes)
+    check(got)
+
+    # An observer that does not ask sees each body once, traced (explain).
+    tracer = _Stepper(steps=False)
+    api.trace_transformed(f, config, (w, x), {}, observer=tracer)
+    seen = collections.Counter((p, path) for p, path, _ in tracer.seen)
+    assert seen[("dot_general", "while/body")] == 1
+    assert seen[("dot_general", "scan/body")] == 2
+    assert all(is_tracer(o) for *_, o in tracer.seen)
+
+
+def test_a_higher_order_op_without_a_stepping_path_is_compared_as_one_op():
+    def f(w, x):
+        a = x @ w
+        # custom_linear_solve has no stepping path: its rule runs unobserved.
+        sol = jax.lax.custom_linear_solve(
+            lambda v: 2.0 * v, a, solve=lambda mv, b: b / 2.0, symmetric=True
+        )
+        return sol * 3.0
+
+    w, x = _loops_args()
+    report = mixprec.diagnose(f, w, x, policy="mixed_bfloat16", refine=False)
+    [solve] = report.find("custom_linear_solve")
+    assert solve.path == "" and solve.calls == 1 and solve.elements == x.size
+    assert solve.in_dtypes == ("bfloat16",) and solve.f32_dtypes == ("float32",)
+    assert solve.rel_error < 10 * tol(jnp.bfloat16)
+    assert "custom_linear_solve: compared as a whole, not op by op" in report.notes
+    # Nothing inside it was observed: the walk inside was a traced one.
+    assert [op.primitive for op in report.ops] == [
+        "dot_general",
+        "custom_linear_solve",
+        "mul",
+    ]
+    assert report.output_rel_error[0] < 10 * tol(jnp.bfloat16)

@@ -11,8 +11,8 @@ each equation it:
 
 1. finds the op's entry in the op table (:mod:`~mixprec._src.autocast.ops`);
 2. for a higher-order primitive, hands the equation to its rule, which walks
-   the body with this same interpreter (or, if the observer steps loops and
-   branches itself, to the observer);
+   the body with this same interpreter (or, if the observer ``steps``, to the
+   stepping path, which walks each iteration on concrete values);
 3. otherwise asks :func:`~mixprec._src.autocast.decide.decide_eqn` for the
    precision, once, and runs the op's rule with that
    :class:`~mixprec._src.autocast.decide.Decision`;
@@ -29,7 +29,9 @@ Three clients share the walk, through the same front door
 out. ``mixprec.explain`` adds an observer that records each decision while the
 transformed jaxpr is traced. ``mixprec.diagnose`` walks concrete values with an
 observer that also runs each equation as written (the float32 reference),
-op by op (no rewrites).
+op by op (no rewrites), and has loops stepped and branches taken on concrete
+values (:mod:`mixprec._src.numerics.diagnose`,
+:mod:`mixprec._src.autocast.rules.control_flow`).
 """
 
 from __future__ import annotations
@@ -96,6 +98,12 @@ bind_as_written = jaxprs.bind_as_written
 class Observer(Protocol):
     """What ``explain`` and ``diagnose`` plug into the walk."""
 
+    #: The walk runs on concrete values and each higher-order equation takes
+    #: the stepping path (:func:`set_stepping_rule`): loops stepped, branches
+    #: taken, call bodies walked in place, so that the observer sees every
+    #: iteration (``diagnose``). ``False``: each runs its rule (``explain``).
+    steps: bool
+
     def on_eqn(
         self,
         walk: Walk,
@@ -104,11 +112,12 @@ class Observer(Protocol):
         ran_with: Sequence[Any],
         invals: Sequence[Any],
         outs: Sequence[Any],
-        rerun: Callable[[Sequence[Any]], list[Any]],
+        rerun: Callable[[Sequence[Any]], list[Any]] | None,
     ) -> None:
         """Called after a first-order equation ran, with its operands and
         results; ``rerun(values)`` runs the equation again, with the same
-        decision, on other operands."""
+        decision, on other operands. ``rerun`` is ``None`` for a higher-order
+        equation the stepping path ran as a whole (one op)."""
 
     def on_note(self, walk: Walk, eqn: JaxprEqn, text: str) -> None:
         """Called with something a report should say about ``eqn``."""
@@ -125,11 +134,6 @@ class Observer(Protocol):
         """Called for an op autocast adds to the program by itself (not an
         equation of the walked jaxpr: its operands are not the walk's values),
         after it ran (see :func:`run_own`)."""
-
-    def run_higher_order(self, ctx: CastContext, invals: Sequence[Any]) -> Any:
-        """Runs a higher-order equation in place of its rule, or returns
-        ``NotImplemented`` to let the rule run it (``diagnose`` steps loops
-        and takes branches on concrete values here)."""
 
 
 # ------------------------------------------------------------------ the walk
@@ -669,6 +673,17 @@ def _no_rerun(values: Sequence[Any]) -> list[Any]:
     raise NotImplementedError("a fused op is not rerun op by op")
 
 
+# The rule of every higher-order equation of a walk whose observer `steps`
+# (set by `rules/control_flow.py`).
+_stepping_rule: list[Callable[..., Any]] = []
+
+
+def set_stepping_rule(rule: Callable[..., Any]) -> None:
+    """Sets the rule that runs the higher-order equations of a walk whose
+    observer ``steps``, on concrete values (see :class:`Observer`)."""
+    _stepping_rule[:] = [rule]
+
+
 def run_eqn(
     walk: Walk, eqn: JaxprEqn, invals: list[Any], marks: Sequence[int]
 ) -> tuple[list[Any], list[int]]:
@@ -682,11 +697,10 @@ def run_eqn(
         walk = walk.at(eqn)
         hop_marks = [0] * n_out
         ctx = CastContext(walk.config, eqn, HIGHER_ORDER, walk, marks, hop_marks)
-        outs: Any = NotImplemented
-        if walk.observer is not None:
-            outs = walk.observer.run_higher_order(ctx, invals)
-        if outs is NotImplemented:
-            outs = ops.higher_order_rule(prim.name)(ctx, *invals, **eqn.params)
+        rule = ops.higher_order_rule(prim.name)
+        if getattr(walk.observer, "steps", False):
+            rule = _stepping_rule[0]
+        outs = rule(ctx, *invals, **eqn.params)
         outs = list(outs) if prim.multiple_results else [outs]
         return outs, hop_marks
     decision = decide_eqn(walk, eqn, spec, invals, marks)

@@ -34,18 +34,43 @@ _EXP_OFFSET = 1100
 
 
 class _SiteStats(Protocol):
-    index: int
-    primitive: str
-    source: str
-    layer: str
-    call_site: str
-    backward: bool
-    decision: str
-    overflow: int
-    underflow: int
-    cast_overflow: int
-    cast_underflow: int
-    local_rel_error: float
+    """What the advice reads of an op's diagnosis (read-only)."""
+
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def primitive(self) -> str: ...
+
+    @property
+    def source(self) -> str: ...
+
+    @property
+    def layer(self) -> str: ...
+
+    @property
+    def call_site(self) -> str: ...
+
+    @property
+    def backward(self) -> bool: ...
+
+    @property
+    def decision(self) -> str: ...
+
+    @property
+    def overflow(self) -> int: ...
+
+    @property
+    def underflow(self) -> int: ...
+
+    @property
+    def cast_overflow(self) -> int: ...
+
+    @property
+    def cast_underflow(self) -> int: ...
+
+    @property
+    def local_rel_error(self) -> float: ...
 
 
 def merge_black_list(spec: Mapping[str, Any] | None, ops: Sequence[str]) -> dict:

@@ -4,8 +4,12 @@
 values: the function autocast would trace (same front door, same statics), the
 walk ``mixprec.autocast`` uses, with the same decisions and rules. Its observer
 (:class:`_Comparer`) keeps the float32 reference of every variable beside the
-walk (each op also run exactly as written) and runs loops and branches itself,
-stepping them concretely, so that every iteration can be compared.
+walk (each op also run exactly as written) and asks the walk to step loops and
+take branches on concrete values (the stepping path of
+:mod:`~mixprec._src.autocast.rules.control_flow`), so that every iteration can
+be compared. Each op is reported as an :class:`OpDiagnosis`: the record
+``mixprec.explain`` gives (:class:`~mixprec._src.numerics.record.OpRecord`)
+with the measurements added.
 
 For every op it measures, on the op's outputs:
 
@@ -45,18 +49,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import ClosedJaxpr, Literal
+from jax.extend.core import Literal
 
-from mixprec._src import _compat, float8 as f8
+from mixprec._src import float8 as f8
 from mixprec._src._compat import is_tracer
 from mixprec._src.autocast import api, interpreter as itp
 from mixprec._src.autocast.config import make_config
-from mixprec._src.autocast.decide import carry_dtypes
-from mixprec._src.autocast.interpreter import CastContext, Walk
+from mixprec._src.autocast.interpreter import Walk
 from mixprec._src.autocast.mixlist import load_spec
 from mixprec._src.autocast.ops import OpLists
-from mixprec._src.autocast.rules import calls, control_flow
-from mixprec._src.autocast.rules.default import cast_all
 from mixprec._src.numerics.advice import (
     GradientHistogram,
     ScopeFix,
@@ -68,11 +69,12 @@ from mixprec._src.numerics.advice import (
 )
 from mixprec._src.numerics.record import (
     AlignmentIssue,
-    layer_label,
+    OpRecord,
+    dtype_name,
+    eqn_flops,
     lint_product,
     parse_source,
     product_dims,
-    record_fields,
     short_source,
 )
 from mixprec._src.numerics.render import fmt_dtypes, render_table, rich_table
@@ -84,23 +86,20 @@ _F32 = np.dtype(np.float32)
 
 
 @dataclasses.dataclass(frozen=True)
-class OpDiagnosis:
-    """Float32 vs mixed precision numerics of one op (summed over loop iterations).
+class OpDiagnosis(OpRecord):
+    """An op's record (:class:`~mixprec._src.numerics.record.OpRecord`, the
+    type ``mixprec.explain`` reports) with the float32 vs mixed precision
+    measurements of ``diagnose`` (summed over loop iterations).
+
+    The record's fields are those of the op's first evaluation, in the mixed
+    run: ``in_dtypes``/``out_dtypes`` the dtypes it ran with and gave;
+    ``flops`` are those of one call; ``float8`` is the recipe of an op that ran
+    in float8 (``None`` for one the recipe kept in the low dtype, see
+    ``float8_skip``). ``primitive`` is the composite's name when autocast
+    treats a nested function as one op (``"softmax"``).
 
     Attributes:
-      index: position in evaluation order (first evaluation).
-      primitive: primitive name, or composite name when autocast treats a nested
-        function as one op (``"softmax"``).
-      source: user source ``"file.py:LINE (function)"``, or ``""``.
-      path: nesting through higher-order primitives (``"jit(f)/scan/body"``).
-      backward: the op belongs to a backward pass (``transpose(...)``).
       f32_dtypes: output dtypes in the float32 run.
-      in_dtypes: the dtypes the op runs with in the mixed run (after its casts).
-      out_dtypes: output dtypes in the mixed run.
-      decision: ``"low"``, ``"float32"`` or ``"original"``.
-      dtype: the dtype autocast casts the op's floating inputs to (or ``None``).
-      op_class: the op's list class.
-      reason: why autocast decided so.
       calls: how many times the op ran (loop bodies run many times).
       elements: floating output elements, summed over calls.
       overflow: finite float32 outputs that become inf/nan in this op's own
@@ -113,57 +112,38 @@ class OpDiagnosis:
       local_rel_error: largest relative error of the op's own low-precision run.
       max_abs: largest finite float32 output magnitude.
       min_abs: smallest non-zero float32 output magnitude (``inf`` if none).
-      flops: FLOPs of one call.
-      float8: the float8 recipe of an op that ran in float8, else ``None``.
       quantized: operand values the op scaled into float8 (summed over calls).
       saturated: of those, values beyond the format's range after scaling
         (clipped to its largest value; current scaling leaves none).
       flushed: non-zero values that became zero after scaling.
-      layer: the layer the op belongs to (see :class:`mixprec.OpRecord`).
-      call_site: the user's line that called the layer when ``source`` is in
-        an installed package, else ``""``.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import mixprec
+      >>> def f(w, x):
+      ...     return (x @ w) * (x @ w.T)  # 1e-5 * 1e-5 flushes to 0 in float16
+      >>> report = mixprec.diagnose(f, jnp.eye(4), jnp.full((4, 4), 1e-5),
+      ...                           policy="mixed_float16", refine=False)
+      >>> [op] = report.find("mul")
+      >>> op.decision, op.in_dtypes, op.calls, op.elements, op.underflow
+      ('low', ('float16', 'float16'), 1, 16, 16)
     """
 
-    index: int
-    primitive: str
-    source: str
-    path: str
-    backward: bool
-    f32_dtypes: tuple[str, ...]
-    in_dtypes: tuple[str, ...]
-    out_dtypes: tuple[str, ...]
-    decision: str
-    dtype: str | None
-    op_class: str
-    reason: str
-    calls: int
-    elements: int
-    overflow: int
-    underflow: int
-    cast_overflow: int
-    cast_underflow: int
-    nonfinite: int
-    rel_error: float
-    local_rel_error: float
-    max_abs: float
-    min_abs: float
-    flops: int
-    float8: str | None = None
+    f32_dtypes: tuple[str, ...] = ()
+    calls: int = 0
+    elements: int = 0
+    overflow: int = 0
+    underflow: int = 0
+    cast_overflow: int = 0
+    cast_underflow: int = 0
+    nonfinite: int = 0
+    rel_error: float = 0.0
+    local_rel_error: float = 0.0
+    max_abs: float = 0.0
+    min_abs: float = math.inf
     quantized: int = 0
     saturated: int = 0
     flushed: int = 0
-    layer: str = ""
-    call_site: str = ""
-
-    @property
-    def line(self) -> int | None:
-        """The user source line number, or ``None``."""
-        return parse_source(self.source)[1]
-
-    @property
-    def where(self) -> str:
-        """The layer as reports show it (``"Net/Dense_0 @ model.py:30"``)."""
-        return layer_label(self.layer, self.call_site)
 
     @property
     def problems(self) -> tuple[str, ...]:
@@ -176,12 +156,10 @@ class OpDiagnosis:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict (``inf`` becomes ``None``)."""
-        d = dataclasses.asdict(self)
-        for key in ("f32_dtypes", "in_dtypes", "out_dtypes"):
-            d[key] = list(d[key])
+        d = super().to_dict()
+        d["f32_dtypes"] = list(d["f32_dtypes"])
         for key in ("rel_error", "local_rel_error", "max_abs", "min_abs"):
             d[key] = _json_float(d[key])
-        d["line"] = self.line
         d["problems"] = list(self.problems)
         return d
 
@@ -565,64 +543,18 @@ def _rel_error(a: np.ndarray, b: np.ndarray) -> float:
     return num / den
 
 
-def _dtype_name(x: Any) -> str:
-    dtype = getattr(x, "dtype", None)
-    if dtype is None:
-        return type(x).__name__
-    return str(dtype)
-
-
-@dataclasses.dataclass
-class _Site:
-    """Mutable accumulator for one op site (one equation at one path)."""
-
-    index: int
-    eqn: Any
-    primitive: str
-    source: str
-    path: str
-    backward: bool
-    flops: int
-    f32_dtypes: tuple[str, ...] = ()
-    in_dtypes: tuple[str, ...] = ()
-    out_dtypes: tuple[str, ...] = ()
-    decision: str = "original"
-    dtype: str | None = None
-    op_class: str = ""
-    reason: str = ""
-    calls: int = 0
-    elements: int = 0
-    overflow: int = 0
-    underflow: int = 0
-    cast_overflow: int = 0
-    cast_underflow: int = 0
-    nonfinite: int = 0
-    rel_error: float = 0.0
-    local_rel_error: float = 0.0
-    max_abs: float = 0.0
-    min_abs: float = math.inf
-    float8: str | None = None
-    float8_skip: str | None = None
-    quantized: int = 0
-    saturated: int = 0
-    flushed: int = 0
-    layer: str = ""
-    call_site: str = ""
-
-    def freeze(self) -> OpDiagnosis:
-        fields = {f.name for f in dataclasses.fields(OpDiagnosis)}
-        return OpDiagnosis(**{k: v for k, v in vars(self).items() if k in fields})
-
-
 class _Comparer:
     """The observer of a diagnose walk.
 
-    The walk runs the autocast stream; the comparer keeps the float32 stream
-    beside it, in ``ref`` (jaxpr variable -> value): each equation is also run
-    exactly as written on the reference values of its operands. It runs the
-    higher-order equations itself (:meth:`run_higher_order`): call bodies are
-    walked in place, loops stepped and branches taken on concrete values,
-    anything else compared as a whole. Statistics accumulate per op site.
+    The walk runs the autocast stream on concrete values; the comparer keeps
+    the float32 stream beside it, in ``ref`` (jaxpr variable -> value): each
+    equation is also run exactly as written on the reference values of its
+    operands. It ``steps``: the walk runs every higher-order equation through
+    the stepping path of :mod:`~mixprec._src.autocast.rules.control_flow`
+    (loops stepped and branches taken on concrete values, call bodies walked in
+    place, this reference carried beside), so that every iteration is
+    compared. Measurements accumulate per op site (equation and path), in one
+    :class:`OpDiagnosis` each.
 
     It compares op by op, so the walk does not fuse attention for it
     (``fuses_attention``): on the CPU that ``diagnose`` runs on, the fused
@@ -630,15 +562,15 @@ class _Comparer:
     """
 
     fuses_attention = False
+    steps = True
 
     def __init__(self, *, max_loop_steps: int) -> None:
         self.max_loop_steps = max_loop_steps
-        self.sites: dict[tuple[int, str], _Site] = {}
-        self.first_nonfinite: _Site | None = None
-        self.first_f32_nonfinite: _Site | None = None
+        self.sites: dict[tuple[int, str], OpDiagnosis] = {}
+        self.first_nonfinite: int | None = None
+        self.first_f32_nonfinite: int | None = None
         self.notes: list[str] = []
         self.grads = GradientHistogram()
-        self.saw_backward = False
         self.ref: dict[Any, Any] = {}
 
     # -- the reference stream -------------------------------------------------
@@ -652,29 +584,7 @@ class _Comparer:
         """The reference values of ``variables`` (literals: their value)."""
         return [v.val if type(v) is Literal else self.ref[v] for v in variables]
 
-    def _walk_body(
-        self,
-        walk: Walk,
-        jaxpr: Any,
-        args: Sequence[Any],
-        ref_args: Sequence[Any],
-        marks: Sequence[int],
-        known: Sequence[Any] = (),
-    ) -> tuple[list[Any], list[Any], list[int]]:
-        """Walks a body on both streams: returns the autocast results, the
-        reference results and the result marks (``known``: the values of
-        constant arguments, as autocast's rule gives them)."""
-        if isinstance(jaxpr, ClosedJaxpr):
-            self.seed(jaxpr.jaxpr.constvars, jaxpr.consts)
-            inner = jaxpr.jaxpr
-        else:
-            inner = jaxpr
-        self.seed(inner.invars, ref_args)
-        outs, out_marks = itp.eval_jaxpr(
-            walk, jaxpr, (), list(args), list(marks), known
-        )
-        return outs, self.read(inner.outvars), out_marks
-
+    # -- what the walk reports ------------------------------------------------
     def on_note(self, walk: Walk, eqn: Any, text: str) -> None:
         del walk, eqn
         self.notes.append(text)
@@ -692,206 +602,63 @@ class _Comparer:
         # listed, compared with itself.
         self._compare(walk, eqn, decision, ran_with, invals, invals, outs, outs, None)
 
-    # -- higher-order equations ---------------------------------------------
-    def run_higher_order(self, ctx: CastContext, invals: Sequence[Any]) -> Any:
-        eqn = ctx.eqn
-        ref_in = self.read(eqn.invars)
-        name = eqn.primitive.name
-        if name == "scan":
-            outs, ref_out = self._scan(ctx, invals, ref_in)
-        elif name == "while":
-            outs, ref_out = self._while(ctx, invals, ref_in)
-        elif name == "cond":
-            outs, ref_out = self._cond(ctx, invals, ref_in)
-        elif (body := calls.call_body(ctx)) is not None:
-            sub, jaxpr = body
-            outs, ref_out, marks = self._walk_body(
-                sub, jaxpr, invals, ref_in, ctx.marks, calls.known_operands(ctx)
-            )
-            ctx.out_marks[:] = marks
-        else:
-            note = (
+    def on_eqn(
+        self,
+        walk: Walk,
+        eqn: Any,
+        decision: Any,
+        ran_with: Sequence[Any],
+        invals: Sequence[Any],
+        outs: Sequence[Any],
+        rerun: Callable[[Sequence[Any]], list[Any]] | None,
+    ) -> None:
+        if rerun is None:  # a higher-order equation the walk ran as a whole
+            name = eqn.primitive.name
+            self.on_note(
+                walk,
+                eqn,
                 "shard_map: compared as a whole (its collectives need the mesh)"
                 if name == "shard_map"
-                else f"{name}: compared as a whole, not op by op"
+                else f"{name}: compared as a whole, not op by op",
             )
-            outs, ref_out = self._whole(ctx, invals, ref_in, note)
-        self.seed(eqn.outvars, ref_out)
-        return outs if eqn.primitive.multiple_results else outs[0]
+        in32 = self.read(eqn.invars)
+        out32 = itp.bind_as_written(eqn, in32)
+        self.seed(eqn.outvars, out32)
+        self._compare(walk, eqn, decision, ran_with, in32, invals, out32, outs, rerun)
 
-    def _whole(
-        self, ctx: CastContext, invals: Sequence[Any], ref_in: Sequence[Any], note: str
-    ) -> tuple[list[Any], list[Any]]:
-        """Runs a higher-order equation as a whole on each stream: the reference
-        as written, the autocast value with its rule (walked unobserved)."""
-        eqn = ctx.eqn
-        plain = dataclasses.replace(ctx, walk=ctx.walk.probe())
-        rule = itp.ops.higher_order_rule(eqn.primitive.name)
-        outs = rule(plain, *invals, **eqn.params)
-        outs = list(outs) if eqn.primitive.multiple_results else [outs]
-        ref_out = itp.bind_as_written(eqn, ref_in)
-        self.on_note(ctx.walk, eqn, note)
-        self._compare(
-            ctx.walk,
-            eqn,
-            ctx.decision,
-            itp.ran_with(ctx.decision, eqn, invals),
-            ref_in,
-            invals,
-            ref_out,
-            outs,
-            None,
-        )
-        return outs, ref_out
-
-    def _scan(
-        self, ctx: CastContext, invals: Sequence[Any], ref_in: Sequence[Any]
-    ) -> tuple[list[Any], list[Any]]:
-        params = ctx.eqn.params
-        jaxpr = params["jaxpr"]
-        nc, ncar = _compat.scan_layout(params)
-        length, reverse = params["length"], params["reverse"]
-        consts, carry, xs = control_flow.split(invals, nc, ncar)
-        rconsts, rcarry, rxs = control_flow.split(ref_in, nc, ncar)
-        dts = carry_dtypes(carry, jaxpr.in_avals[nc : nc + ncar])
-        carry = cast_all(carry, dts)
-        marks = control_flow.scan_body_marks(ctx.marks, nc, ncar)
-        sub = ctx.walk.body("scan/body", trip=length)
-        rows: list[list[Any]] = []
-        ref_rows: list[list[Any]] = []
-        steps = range(length - 1, -1, -1) if reverse else range(length)
-        for i in steps:
-            outs, routs, _ = self._walk_body(
-                sub,
-                jaxpr,
-                [*consts, *carry, *(x[i] for x in xs)],
-                [*rconsts, *rcarry, *(x[i] for x in rxs)],
-                marks,
-            )
-            carry, rcarry = cast_all(outs[:ncar], dts), routs[:ncar]
-            rows.append(outs[ncar:])
-            ref_rows.append(routs[ncar:])
-        if reverse:
-            rows.reverse()
-            ref_rows.reverse()
-        ys_avals = jaxpr.out_avals[ncar:]
-        return [*carry, *_stack(rows, ys_avals)], [*rcarry, *_stack(ref_rows, ys_avals)]
-
-    def _while(
-        self, ctx: CastContext, invals: Sequence[Any], ref_in: Sequence[Any]
-    ) -> tuple[list[Any], list[Any]]:
-        eqn = ctx.eqn
-        p = eqn.params
-        cond_jaxpr, body_jaxpr = p["cond_jaxpr"], p["body_jaxpr"]
-        cn, bn = p["cond_nconsts"], p["body_nconsts"]
-        cconsts, bconsts, carry = control_flow.split(invals, cn, bn)
-        rcconsts, rbconsts, rcarry = control_flow.split(ref_in, cn, bn)
-        dts = carry_dtypes(carry, body_jaxpr.in_avals[bn:])
-        carry = cast_all(carry, dts)
-        cmarks, bmarks = control_flow.while_body_marks(ctx.marks, cn, bn)
-        csub = ctx.walk.body("while/cond")
-        bsub = ctx.walk.body("while/body")
-        steps = 0
-        while True:
-            (pred,), (rpred,), _ = self._walk_body(
-                csub, cond_jaxpr, [*cconsts, *carry], [*rcconsts, *rcarry], cmarks
-            )
-            go_ref, go_mix = _truth(rpred), _truth(pred)
-            if go_ref != go_mix or (go_ref and steps >= self.max_loop_steps):
-                where = _compat.eqn_source_summary(eqn.source_info) or "<unknown>"
-                if go_ref != go_mix:
-                    text = (
-                        f"while_loop at {where}: the autocast run "
-                        f"{'stops' if go_ref else 'continues'} after {steps} "
-                        "iterations where float32 does not; later iterations are "
-                        "not compared."
-                    )
-                else:
-                    text = (
-                        f"while_loop at {where}: compared the first {steps} "
-                        "iterations only (max_loop_steps)."
-                    )
-                self.on_note(ctx.walk, eqn, text)
-                if go_ref:
-                    rcarry = itp.bind_as_written(eqn, [*rcconsts, *rbconsts, *rcarry])
-                if go_mix:
-                    plain = dataclasses.replace(ctx, walk=ctx.walk.probe())
-                    rule = itp.ops.higher_order_rule("while")
-                    carry = list(rule(plain, *cconsts, *bconsts, *carry, **p))
-                return carry, rcarry
-            if not go_ref:
-                return carry, rcarry
-            outs, routs, _ = self._walk_body(
-                bsub, body_jaxpr, [*bconsts, *carry], [*rbconsts, *rcarry], bmarks
-            )
-            carry, rcarry = cast_all(outs, dts), routs
-            steps += 1
-
-    def _cond(
-        self, ctx: CastContext, invals: Sequence[Any], ref_in: Sequence[Any]
-    ) -> tuple[list[Any], list[Any]]:
-        eqn = ctx.eqn
-        branches = eqn.params["branches"]
-        index, operands = invals[0], list(invals[1:])
-        rindex, roperands = ref_in[0], list(ref_in[1:])
-        marks = list(ctx.marks[1:])
-        avals = [_compat.get_aval(x) for x in operands]
-        target = control_flow.branch_out_dtypes(ctx.walk, branches, avals, marks)
-        n = len(branches)
-        i_ref = min(max(int(rindex), 0), n - 1)
-        i_mix = min(max(int(index), 0), n - 1)
-        if i_ref == i_mix:
-            sub = ctx.walk.body(f"cond/branch{i_ref}")
-            outs, routs, _ = self._walk_body(
-                sub, branches[i_ref], operands, roperands, marks
-            )
-            return cast_all(outs, target), routs
-        where = _compat.eqn_source_summary(eqn.source_info) or "<unknown>"
-        self.on_note(
-            ctx.walk,
-            eqn,
-            f"cond at {where}: the autocast run takes branch {i_mix}, float32 "
-            f"takes branch {i_ref}; not compared.",
-        )
-        plain = dataclasses.replace(ctx, walk=ctx.walk.probe())
-        rule = itp.ops.higher_order_rule("cond")
-        outs = list(rule(plain, index, *operands, **eqn.params))
-        return outs, itp.bind_as_written(eqn, ref_in)
-
-    # -- first-order equations ----------------------------------------------
+    # -- comparing ------------------------------------------------------------
     def _site(
-        self, walk: Walk, eqn: Any, decision: Any, ran_with: Sequence[Any]
-    ) -> _Site:
-        key = (id(eqn), walk.path)
-        site = self.sites.get(key)
-        if site is None:
-            f = record_fields(walk, eqn, decision, ran_with)
-            site = _Site(
-                index=len(self.sites),
-                eqn=eqn,
-                primitive=f["primitive"],
-                source=f["source"],
-                path=f["path"],
-                backward=f["backward"],
-                flops=f["flops"] // max(walk.trip, 1),
-                in_dtypes=f["in_dtypes"],
-                decision=f["decision"],
-                dtype=f["dtype"],
-                op_class=f["op_class"],
-                reason=f["reason"],
-                float8=f["float8"] if f["decision"] == "float8" else None,
-                float8_skip=f["float8_skip"],
-                layer=f["layer"],
-                call_site=f["call_site"],
-            )
-            self.sites[key] = site
+        self,
+        walk: Walk,
+        eqn: Any,
+        decision: Any,
+        ran_with: Sequence[Any],
+        out32: Sequence[Any],
+        outmix: Sequence[Any],
+    ) -> OpDiagnosis:
+        """The op site of ``eqn`` at the walk's path (made at its first call)."""
+        site = self.sites.get((id(eqn), walk.path))
+        if site is not None:
+            return site
+        site = OpDiagnosis.observed(
+            walk,
+            eqn,
+            decision,
+            ran_with,
+            outmix,
+            index=len(self.sites),
+            flops=eqn_flops(eqn),
+            f32_dtypes=tuple(dtype_name(x) for x in out32),
+        )
+        if site.decision != "float8":  # kept 16-bit by the recipe: float8_skip
+            site = dataclasses.replace(site, float8=None)
         return site
 
     def _note_float8_inf(
         self,
         walk: Walk,
         eqn: Any,
-        site: _Site,
+        site: OpDiagnosis,
         inmix: Sequence[Any],
         outmix: Sequence[Any],
     ) -> None:
@@ -912,21 +679,6 @@ class _Comparer:
             "inf upstream.",
         )
 
-    def on_eqn(
-        self,
-        walk: Walk,
-        eqn: Any,
-        decision: Any,
-        ran_with: Sequence[Any],
-        invals: Sequence[Any],
-        outs: Sequence[Any],
-        rerun: Callable[[Sequence[Any]], list[Any]],
-    ) -> None:
-        in32 = self.read(eqn.invars)
-        out32 = itp.bind_as_written(eqn, in32)
-        self.seed(eqn.outvars, out32)
-        self._compare(walk, eqn, decision, ran_with, in32, invals, out32, outs, rerun)
-
     def _compare(
         self,
         walk: Walk,
@@ -939,18 +691,43 @@ class _Comparer:
         outmix: Sequence[Any],
         rerun: Callable[[Sequence[Any]], list[Any]] | None,
     ) -> None:
-        site = self._site(walk, eqn, decision, ran_with)
-        site.calls += 1
-        if site.calls == 1:
-            site.f32_dtypes = tuple(_dtype_name(x) for x in out32)
-            site.out_dtypes = tuple(_dtype_name(x) for x in outmix)
-        self.saw_backward |= site.backward
+        """Adds one call of ``eqn`` to its site's measurements."""
+        site = self._site(walk, eqn, decision, ran_with, out32, outmix)
+        found = self._measure(
+            walk, eqn, site, decision, in32, inmix, out32, outmix, rerun
+        )
+        self.sites[(id(eqn), walk.path)] = dataclasses.replace(
+            site, calls=site.calls + 1, **found
+        )
+
+    def _measure(
+        self,
+        walk: Walk,
+        eqn: Any,
+        site: OpDiagnosis,
+        decision: Any,
+        in32: Sequence[Any],
+        inmix: Sequence[Any],
+        out32: Sequence[Any],
+        outmix: Sequence[Any],
+        rerun: Callable[[Sequence[Any]], list[Any]] | None,
+    ) -> dict[str, Any]:
+        """The measurements of ``site`` after one more call (the fields of
+        :class:`OpDiagnosis` that change)."""
+        found: dict[str, Any] = {}
+
+        def add(name: str, n: int) -> None:
+            found[name] = found.get(name, getattr(site, name)) + n
+
+        def keep(name: str, x: float, pick: Callable[[float, float], float]) -> None:
+            found[name] = pick(found.get(name, getattr(site, name)), x)
+
         if not any(_is_float(x) for x in out32):
-            return
+            return found
         same = all(
-            _dtype_name(a) == _dtype_name(b) for a, b in zip(in32, inmix, strict=True)
+            dtype_name(a) == dtype_name(b) for a, b in zip(in32, inmix, strict=True)
         ) and all(
-            _dtype_name(a) == _dtype_name(b) for a, b in zip(out32, outmix, strict=True)
+            dtype_name(a) == dtype_name(b) for a, b in zip(out32, outmix, strict=True)
         )
         # The op's own run on exact inputs, cast to the dtypes the autocast
         # stream has. If that cast overflows or flushes, the problem was
@@ -974,7 +751,8 @@ class _Comparer:
             local = rerun(local_in)
 
         if site.decision == "float8":
-            self._count_float8(site, eqn, decision, inmix)
+            for name, n in _count_float8(eqn, decision, inmix).items():
+                add(name, n)
             self._note_float8_inf(walk, eqn, site, inmix, outmix)
         if site.decision == "low" and site.dtype is not None:
             for a, b in zip(in32, inmix, strict=True):
@@ -985,9 +763,10 @@ class _Comparer:
                 a64 = _f64(a)
                 c64 = _f64(_cast(a, site.dtype))
                 fa = np.isfinite(a64)
-                site.cast_overflow += int(np.count_nonzero(fa & ~np.isfinite(c64)))
-                site.cast_underflow += int(
-                    np.count_nonzero(fa & (a64 != 0) & (c64 == 0))
+                add("cast_overflow", int(np.count_nonzero(fa & ~np.isfinite(c64))))
+                add(
+                    "cast_underflow",
+                    int(np.count_nonzero(fa & (a64 != 0) & (c64 == 0))),
                 )
 
         inputs_finite32 = all(
@@ -1000,49 +779,48 @@ class _Comparer:
             if a64.shape != b64.shape or a64.shape != l64.shape:
                 continue
             fa = np.isfinite(a64)
-            site.elements += a64.size
+            add("elements", a64.size)
             if not inherited_over:
-                site.overflow += int(np.count_nonzero(fa & ~np.isfinite(l64)))
+                add("overflow", int(np.count_nonzero(fa & ~np.isfinite(l64))))
             if not inherited_under:
-                site.underflow += int(np.count_nonzero(fa & (a64 != 0) & (l64 == 0)))
+                add("underflow", int(np.count_nonzero(fa & (a64 != 0) & (l64 == 0))))
             bad = int(np.count_nonzero(fa & ~np.isfinite(b64)))
-            site.nonfinite += bad
+            add("nonfinite", bad)
             if bad and self.first_nonfinite is None:
-                self.first_nonfinite = site
+                self.first_nonfinite = site.index
             if not fa.all() and inputs_finite32 and self.first_f32_nonfinite is None:
-                self.first_f32_nonfinite = site
-            site.rel_error = max(site.rel_error, _rel_error(a64, b64))
-            site.local_rel_error = max(site.local_rel_error, _rel_error(a64, l64))
+                self.first_f32_nonfinite = site.index
+            keep("rel_error", _rel_error(a64, b64), max)
+            keep("local_rel_error", _rel_error(a64, l64), max)
             mags = np.abs(a64[fa & (a64 != 0)])
             if mags.size:
-                site.max_abs = max(site.max_abs, float(mags.max()))
-                site.min_abs = min(site.min_abs, float(mags.min()))
+                keep("max_abs", float(mags.max()), max)
+                keep("min_abs", float(mags.min()), min)
                 # Backward-pass values are linear in the loss's cotangent, so a
                 # loss scale multiplies every one of them (the loss-scale
                 # advice). Those kept in float32 reach 16 bits at the next dot.
                 if site.backward:
                     self.grads.add(mags)
-
-    @staticmethod
-    def _count_float8(site: _Site, eqn: Any, decision: Any, inmix: Sequence[Any]):
-        """Saturated and flushed values of the operands the op quantizes, with
-        the scales the recipe takes (over the contraction for rowwise dots)."""
-        formats = decision.operand_dtypes or ()
-        recipe = decision.float8
-        dims = product_dims(eqn)
-        contract = dims.contracting if dims is not None else ((), ())
-        for i, (x, fmt) in enumerate(zip(inmix, formats, strict=False)):
-            if fmt is None or not _is_float(x):
-                continue
-            axes = recipe.scale_axes(contract[i]) if recipe is not None else None
-            saturated, flushed, n = f8.quantization_counts(x, fmt, axes)
-            site.saturated += saturated
-            site.flushed += flushed
-            site.quantized += n
+        return found
 
 
-def _index(site: _Site | None) -> int | None:
-    return None if site is None else site.index
+def _count_float8(eqn: Any, decision: Any, inmix: Sequence[Any]) -> dict[str, int]:
+    """Saturated and flushed values of the operands a float8 op quantizes, with
+    the scales the recipe takes (over the contraction for rowwise dots)."""
+    counts = {"saturated": 0, "flushed": 0, "quantized": 0}
+    formats = decision.operand_dtypes or ()
+    recipe = decision.float8
+    dims = product_dims(eqn)
+    contract = dims.contracting if dims is not None else ((), ())
+    for i, (x, fmt) in enumerate(zip(inmix, formats, strict=False)):
+        if fmt is None or not _is_float(x):
+            continue
+        axes = recipe.scale_axes(contract[i]) if recipe is not None else None
+        saturated, flushed, n = f8.quantization_counts(x, fmt, axes)
+        counts["saturated"] += saturated
+        counts["flushed"] += flushed
+        counts["quantized"] += n
+    return counts
 
 
 # --------------------------------------------------------------------------------------
@@ -1099,23 +877,10 @@ def _evaluate(
     return comparer, comparer.read(source.jaxpr.outvars), outs
 
 
-def _truth(pred: Any) -> bool:
-    # A batched predicate (a while under vmap) continues while any lane does.
-    return bool(np.any(np.asarray(pred)))
-
-
-def _stack(rows: Sequence[Sequence[Any]], avals: Sequence[Any]) -> list[Any]:
-    """Per-iteration results of a stepped scan, stacked (``avals`` when it ran
-    no iteration)."""
-    if rows:
-        return [jnp.stack(list(col)) for col in zip(*rows, strict=True)]
-    return [jnp.zeros((0, *a.shape), a.dtype) for a in avals]
-
-
 def _refine_advice(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
-    sites: Sequence[_Site],
+    sites: Sequence[OpDiagnosis],
     *,
     policy: Any,
     mode: str,
@@ -1165,7 +930,7 @@ def _line_key(line: str) -> tuple[str, int]:
 def _refine_scopes(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
-    sites: Sequence[_Site],
+    sites: Sequence[OpDiagnosis],
     *,
     config: Any,
     tolerance: float,
@@ -1310,7 +1075,7 @@ def diagnose(
         ev, out32, outmix = _evaluate(fn_to_run, args, config, max_loop_steps)
 
     sites = list(ev.sites.values())
-    ops = tuple(s.freeze() for s in sites)
+    ops = tuple(sites)
     out_err = []
     out_bad = []
     for a, b in zip(out32, outmix, strict=True):
@@ -1385,8 +1150,8 @@ def diagnose(
         low_dtype=str(low),
         mixlist=user_spec,
         loss_scale=scale,
-        first_nonfinite=_index(ev.first_nonfinite),
-        first_f32_nonfinite=_index(ev.first_f32_nonfinite),
+        first_nonfinite=ev.first_nonfinite,
+        first_f32_nonfinite=ev.first_f32_nonfinite,
         output_rel_error=tuple(out_err),
         output_nonfinite=tuple(out_bad),
         to_black_list=to_black,

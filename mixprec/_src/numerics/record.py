@@ -3,7 +3,9 @@
 The interpreter's walk reports each equation to an observer
 (:class:`~mixprec._src.autocast.interpreter.Observer`); :class:`Recorder` turns
 the reports into :class:`OpRecord`\\ s for ``mixprec.explain``, and
-``mixprec.diagnose`` builds on the same fields. This module also holds what both
+``mixprec.diagnose``'s records are the same type with its measurements added
+(:class:`~mixprec._src.numerics.diagnose.OpDiagnosis`, built by the same
+:meth:`OpRecord.observed`). This module also holds what both
 reports need about an equation: its user source line, whether it belongs to a
 backward pass, its FLOPs (one formula), and the tensor-core alignment lint.
 """
@@ -15,7 +17,7 @@ import math
 import os
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 from jax.extend import core as jex_core
@@ -28,6 +30,7 @@ __all__ = [
     "AlignmentIssue",
     "OpRecord",
     "Recorder",
+    "dtype_name",
     "eqn_flops",
     "eqn_source",
     "lint_eqn",
@@ -329,7 +332,14 @@ def _dtype_str(dtype: Any) -> str:
         return str(dtype)
 
 
-def _dtype_name(x: Any) -> str:
+def dtype_name(x: Any) -> str:
+    """The dtype of a value as a report writes it (its type's name if none).
+
+    Examples:
+        >>> import numpy as np
+        >>> dtype_name(np.ones(2, np.float16)), dtype_name(3)
+        ('float16', 'int')
+    """
     dtype = getattr(x, "dtype", None)
     if dtype is None:
         return type(x).__name__
@@ -404,6 +414,32 @@ class OpRecord:
     float8_skip_reason: str | None = None
     layer: str = ""
     call_site: str = ""
+
+    @classmethod
+    def observed(
+        cls,
+        walk: Any,
+        eqn: jex_core.JaxprEqn,
+        decision: Any,
+        ran_with: Sequence[Any],
+        outs: Sequence[Any],
+        *,
+        index: int,
+        **more: Any,
+    ) -> Self:
+        """The record of ``eqn`` as the walk reports it to an observer: where
+        it is (``walk``), what was decided, the dtypes its operands ran in
+        (``ran_with``) and its results (``outs``). ``more`` sets the fields a
+        subclass adds, or replaces computed ones."""
+        fields = record_fields(walk, eqn, decision, ran_with)
+        fields.update(
+            index=index,
+            out_dtypes=tuple(dtype_name(o) for o in outs),
+            out_shapes=tuple(tuple(np.shape(o)) for o in outs),
+            eqn=eqn,
+        )
+        fields.update(more)
+        return cls(**fields)
 
     @property
     def line(self) -> int | None:
@@ -481,6 +517,10 @@ class Recorder:
         [('dot_general', 'bfloat16'), ('reduce_sum', 'float32')]
     """
 
+    #: The walk traces (``explain`` observes the walk autocast stages out):
+    #: each higher-order equation runs its rule, bodies are walked once.
+    steps = False
+
     def __init__(self) -> None:
         self.records: list[OpRecord] = []
         self.notes: list[str] = []
@@ -497,12 +537,8 @@ class Recorder:
     ) -> None:
         del invals, rerun
         self.records.append(
-            OpRecord(
-                index=len(self.records),
-                out_dtypes=tuple(_dtype_name(o) for o in outs),
-                out_shapes=tuple(tuple(np.shape(o)) for o in outs),
-                eqn=eqn,
-                **record_fields(walk, eqn, decision, ran_with),
+            OpRecord.observed(
+                walk, eqn, decision, ran_with, outs, index=len(self.records)
             )
         )
 
@@ -521,9 +557,3 @@ class Recorder:
     ) -> None:
         """An op autocast adds by itself is recorded like the user's ops."""
         self.on_eqn(walk, eqn, decision, ran_with, invals, outs)
-
-    def run_higher_order(self, ctx: Any, invals: Any) -> Any:
-        """Lets each higher-order rule run its equation (``explain`` observes
-        the walk that autocast stages out)."""
-        del ctx, invals
-        return NotImplemented
