@@ -1168,7 +1168,7 @@ def fused(m: Match, values: Sequence[Any], low: Any, out_shape: Sequence[int]) -
         q,
         k,
         v,
-        bias=None if bias is None else bias.astype(low),
+        bias=None if bias is None else _saturating_cast(bias, low),
         mask=mask,
         scale=m.scale,
         is_causal=m.causal,
@@ -1181,6 +1181,14 @@ def fused(m: Match, values: Sequence[Any], low: Any, out_shape: Sequence[int]) -
     want = [lab for lab in m.out_labels if lab is not None]
     out = jnp.transpose(out, [here.index(lab) for lab in want])
     return out.reshape(tuple(out_shape))
+
+
+def _saturating_cast(x: Any, low: Any) -> Any:
+    """``x`` cast to ``low`` with finite values beyond its range saturated
+    (a bias holding ``finfo(float32).min`` must not become ``-inf``)."""
+    from mixprec._src.autocast.interpreter import cast  # (imports this module)
+
+    return cast(x, low, saturate=True)
 
 
 def _read(env: dict[Any, Any], u: Any) -> Any:
