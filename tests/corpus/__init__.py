@@ -115,6 +115,7 @@ from . import (  # noqa: E402, F401
     mnist,
     nlp,
     norms,
+    padding_bias,
     rnn,
     steps,
     vae,

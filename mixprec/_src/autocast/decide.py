@@ -51,9 +51,17 @@ cannot hold (beyond its largest value, or non-zero and so small it becomes 0)
 keeps its op in float32 (:func:`misfit`), so the result is float32's and an
 overflow stays inf; except in a fill op (``where``, ``max``, ``min``,
 ``clamp``), where the rule modules saturate it to the low dtype's finite range
-(``finfo(float32).min`` as a mask fill must not become ``-inf``). The rule
-modules also cast an operand broadcast into the result after it is broadcast,
-so that its gradient is summed in float32.
+(``finfo(float32).min`` as a mask fill must not become ``-inf``). A value
+*made from* such a constant in a forward pass (mark ``BIG``) is treated as the
+constant: a select between constants (``select(mask > 0, 0, finfo.min)``), a
+product with one (``(1 - mask) * -1e9``), and views, slices and sums of those
+(a mask bias, computed from the data's padding mask, so its value is never
+known). An op that would cast it down keeps float32 instead (the additive bias
+``scores + bias`` runs in float32, as PyTorch autocast promotes it: a bias
+saturated to float16's ``-65504`` overflows to ``-inf`` again once a score
+below -16 is added to it), and a fill op or the fused attention's bias
+saturates it. The rule modules also cast an operand broadcast into the result
+after it is broadcast, so that its gradient is summed in float32.
 
 Besides :func:`decide` (one equation, from the facts), this module holds every
 other dtype choice autocast makes, so that each is made in one place:
@@ -67,7 +75,7 @@ other dtype choice autocast makes, so that each is made in one place:
 * :data:`HIGHER_ORDER`: the decision of a higher-order equation (none: its
   body is decided equation by equation).
 
-Per value the interpreter keeps five marks, computed by :func:`out_marks`:
+Per value the interpreter keeps six marks, computed by :func:`out_marks`:
 ``FOLLOWS`` (broadcast into its consumers: a bias, a scale, a scalar),
 ``STAT`` (a statistic: computed from a reduction, like a mean or a variance; it
 is never a follower, even broadcast), ``CONST`` (computed from constants only;
@@ -77,7 +85,8 @@ decide which operands anchor a gray op; ``CONST`` makes a fill op's constants
 saturate; ``GRAD`` sends a float8 matmul's gradient
 operand to ``float8_e5m2``; ``INPUT`` (an input of the transformed function,
 never a result of an equation) lets a matmul keep a float32 operand for its
-backward pass without a copy.
+backward pass without a copy; ``BIG`` (made from a constant beyond the low
+dtype's range, above) keeps the ops it feeds in float32, or saturates.
 """
 
 from __future__ import annotations
@@ -105,6 +114,7 @@ from mixprec._src.autocast.ops import (
 
 
 __all__ = [
+    "BIG",
     "CONST",
     "FOLLOWS",
     "GRAD",
@@ -136,6 +146,11 @@ GRAD: Final = 8
 #: closed-over constant): alive for the whole call, so a product may keep it
 #: for the backward pass as it is instead of keeping a 16-bit copy.
 INPUT: Final = 16
+#: The value is made, in a forward pass, from a constant the low dtype cannot
+#: hold: a select between constants, a product with one, views and sums of
+#: those (a mask bias: ``select(mask > 0, 0, finfo(float32).min)``,
+#: ``(1 - mask) * -1e9`` under float16). It is treated as that constant.
+BIG: Final = 32
 
 _F32: Final = np.dtype(np.float32)
 _F16: Final = np.dtype(np.float16)
@@ -479,8 +494,10 @@ def out_marks(
     marks: Sequence[int],
     n: int,
     backward: bool = False,
+    region: Region | None = None,
 ) -> list[int]:
-    """The marks of the ``n`` results of ``eqn``, given its operands' marks.
+    """The marks of the ``n`` results of ``eqn``, given its operands' marks;
+    ``region`` (the walk) knows the constants' values, for ``BIG``.
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -495,6 +512,8 @@ def out_marks(
         # what it computes from that is a gradient, residuals are not.
         grad = GRAD
     flags = spec.flags if spec is not None else frozenset()
+    if not backward and region is not None:
+        const |= _big(spec, eqn, marks, region)
     if ops.STATISTIC in flags or (
         marks
         and any(m & STAT for m in marks)
@@ -515,6 +534,31 @@ def out_marks(
     if not eqn.invars and spec is not None and spec.op_class == "clear":
         const = CONST  # iota and friends
     return [const | follows | grad] * n
+
+
+def _big(
+    spec: ops.OpSpec | None, eqn: JaxprEqn, marks: Sequence[int], region: Region
+) -> int:
+    """``BIG`` if ``eqn`` makes its floating result from a constant beyond the
+    low dtype's range or from a ``BIG`` value, moving or combining it with an
+    op that keeps its magnitude (:data:`~mixprec._src.autocast.ops.KEEPS_MAGNITUDE`,
+    or a clear op); else 0."""
+    if spec is None or not eqn.outvars or float_dtype(eqn.outvars[0].aval) is None:
+        return 0
+    if ops.KEEPS_MAGNITUDE not in spec.flags and spec.op_class != "clear":
+        return 0
+    low = np.dtype(region.config.low_dtype)
+    if low.itemsize >= 4:
+        return 0
+    largest = float(jnp.finfo(low).max)
+    for v, m in zip(eqn.invars, marks, strict=True):
+        if m & BIG:
+            return BIG
+        if m & CONST and float_dtype(v.aval) is not None:
+            magnitudes = region.constant_range(v)
+            if magnitudes is not None and magnitudes[0] > largest:
+                return BIG
+    return 0
 
 
 def follows(
@@ -587,13 +631,22 @@ def _misfit_constant(
     marks: Sequence[int],
     target: np.dtype,
 ) -> str | None:
-    """Why a constant operand of ``eqn`` cannot be cast to ``target`` (``None``
-    if each can, or ``eqn`` is a fill op, whose constants saturate)."""
+    """Why a constant operand of ``eqn``, or a value made from one (``BIG``),
+    cannot be cast to ``target`` (``None`` if each can, or ``eqn`` is a fill
+    op, whose constants saturate)."""
     if ops.FILL in flags:
         return None
     for v, m in zip(eqn.invars, marks, strict=True):
         dtype = float_dtype(v.aval)
-        if not m & CONST or dtype is None or dtype.itemsize <= target.itemsize:
+        if dtype is None or dtype.itemsize <= target.itemsize:
+            continue
+        if m & BIG:
+            return (
+                f"an operand is made from a constant beyond {target}'s range (a "
+                "mask bias such as select(mask, 0, finfo(float32).min) or "
+                "(1 - mask) * -1e9)"
+            )
+        if not m & CONST:
             continue
         magnitudes = region.constant_range(v)
         why = None if magnitudes is None else misfit(magnitudes, target)

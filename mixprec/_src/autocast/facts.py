@@ -44,6 +44,7 @@ from mixprec._src.autocast.decide import CONST
 __all__ = [
     "FOLD_LIMIT",
     "Facts",
+    "KnownRange",
     "fold_constant",
     "known_value",
     "note_constant",
@@ -108,9 +109,20 @@ def value_range(x: Any) -> tuple[float, float]:
     return float(a.max()), float(nonzero.min()) if nonzero.size else float("inf")
 
 
+class KnownRange(tuple):
+    """``(largest finite, smallest non-zero)`` magnitude of a constant whose
+    value is not kept (too large): what a body is told of such an operand."""
+
+    __slots__ = ()
+
+
 def note_constant(facts: Facts, var: Any, x: Any) -> None:
     """Records the range (and, if small, the value) of a constant whose value
-    is known before the walk (a closed-over array)."""
+    is known before the walk (a closed-over array), or the range a
+    :class:`KnownRange` gives."""
+    if isinstance(x, KnownRange):
+        facts.ranges[var] = (float(x[0]), float(x[1]))
+        return
     if _compat.is_tracer(x) or not hasattr(x, "dtype"):
         return
     if jnp.issubdtype(x.dtype, jax.dtypes.extended):

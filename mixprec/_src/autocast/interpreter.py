@@ -55,6 +55,7 @@ from mixprec._src.autocast import facts as facts_lib, jaxprs, ops, regions, rewr
 from mixprec._src.autocast.avals import aval_dtype, aval_shape, float_dtype, same_shape
 from mixprec._src.autocast.config import CastConfig
 from mixprec._src.autocast.decide import (
+    BIG,
     CONST,
     FOLLOWS,
     GRAD,
@@ -68,16 +69,25 @@ from mixprec._src.autocast.decide import (
     literal_mark,
     out_marks,
 )
-from mixprec._src.autocast.facts import Facts, known_value, value_range
+from mixprec._src.autocast.facts import (
+    FOLD_LIMIT,
+    Facts,
+    KnownRange,
+    known_value,
+    value_range,
+)
 
 
 __all__ = [
+    "BIG",
     "CONST",
     "FOLLOWS",
     "GRAD",
     "INPUT",
     "STAT",
+    "FOLD_LIMIT",
     "CastContext",
+    "KnownRange",
     "Observer",
     "Walk",
     "bind_as_written",
@@ -461,11 +471,13 @@ def cast_operands(ctx: CastContext, invals: Sequence[Any]) -> list[Any]:
 
     ``ORIGINAL`` casts them back to the dtypes they were traced with; a
     decision dtype casts them to it. Casting down, a constant of a fill op
-    (:data:`~mixprec._src.autocast.ops.FILL`: ``where``, ``max``...)
-    saturates, any other constant is cast as it is (beyond the low range: inf,
-    visible), and an operand of an elementwise op that is broadcast into the
-    result is broadcast first, so that the transpose (its gradient) sums in the
-    wider dtype.
+    (:data:`~mixprec._src.autocast.ops.FILL`: ``where``, ``max``...) and a
+    value made from a constant beyond the low range
+    (:data:`~mixprec._src.autocast.decide.BIG`: a mask bias) saturate, any
+    other constant is cast as it is (beyond the low range: inf, visible), and
+    an operand of an elementwise op that is broadcast into the result is
+    broadcast first, so that the transpose (its gradient) sums in the wider
+    dtype.
     """
     d = ctx.decision
     eqn = ctx.eqn
@@ -489,9 +501,10 @@ def cast_operands(ctx: CastContext, invals: Sequence[Any]) -> list[Any]:
             out.append(x)
             continue
         narrowing = target.itemsize < dt.itemsize
-        if narrowing and m & CONST and fill:
-            # A fill or a bound (`finfo(float32).min` in a `where`): saturate
-            # it; a constant has no gradient, cast it where it is.
+        if narrowing and (m & CONST and fill or m & BIG):
+            # A fill or a bound (`finfo(float32).min` in a `where`), or a mask
+            # bias made from one: saturate it; cast it where it is (a mask
+            # bias has no gradient).
             x = _saturate_constant(ctx.walk, eqn, v, x, target)
         elif narrowing and m & CONST:
             pass  # cast where it is: beyond the low range it becomes inf
@@ -505,8 +518,9 @@ def cast_operands(ctx: CastContext, invals: Sequence[Any]) -> list[Any]:
 def _saturate_constant(
     walk: Walk, eqn: JaxprEqn, var: Any, x: Any, dtype: np.dtype
 ) -> Any:
-    """A constant about to be cast to ``dtype`` with its finite values clipped
-    to ``dtype``'s range (``finfo(float32).min`` must not become ``-inf``)."""
+    """A constant (or a value made from one, ``BIG``) about to be cast to
+    ``dtype`` with its finite values clipped to ``dtype``'s range
+    (``finfo(float32).min`` must not become ``-inf``)."""
     if isinstance(var, Literal) or isinstance(x, np.ndarray | np.generic | float):
         return clip_to_range(x, dtype)  # clipped in NumPy: no op in the program
     big = float(jnp.finfo(dtype).max)
@@ -522,8 +536,9 @@ def _saturate_constant(
     # A value unknown while walking (too large to fold, or made where it is
     # not known): clamp it in the program, and tell the report.
     reason = (
-        f"autocast's own: saturates a constant to {dtype}'s finite range before "
-        "casting it to a fill op's dtype (finfo(float32).min must not become -inf)"
+        f"autocast's own: saturates a constant (or a mask bias made from one) to "
+        f"{dtype}'s finite range before casting it down (finfo(float32).min must "
+        "not become -inf)"
     )
     own = _saturation(tuple(np.shape(x)), np.dtype(x.dtype), big)
     return run_own(walk, eqn, own, x, reason=reason)
@@ -736,7 +751,7 @@ def run_eqn(
         )
     if rule_marks:
         return outs, rule_marks
-    return outs, out_marks(spec, eqn, marks, n_out, walk.backward)
+    return outs, out_marks(spec, eqn, marks, n_out, walk.backward, walk)
 
 
 @contextlib.contextmanager

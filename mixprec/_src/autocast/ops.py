@@ -44,6 +44,13 @@ Flags:
   down, such a constant saturates to the low dtype's finite range, which keeps
   the result. Any other op with a constant the low dtype cannot hold (beyond
   its largest value, or so small it becomes 0) runs in float32.
+* :data:`KEEPS_MAGNITUDE`: the result is as large as its largest operand
+  (``add``, ``sub``, ``mul``, ``max``, ``min``, ``clamp``, ``select_n``; the
+  clear ops move values and keep them too): a value such an op makes from a
+  constant the low dtype cannot hold cannot be held either. A mask bias
+  (``select(mask > 0, 0, finfo(float32).min)``, ``(1 - mask) * -1e9``) is
+  such a value; autocast treats it as the constant it is made from
+  (:data:`~mixprec._src.autocast.decide.BIG`).
 * :data:`FUSION`: the op of a fusion, an equation a rewrite pass put in place
   of several (:mod:`~mixprec._src.autocast.rewrites`): fused where every op it
   replaces would run in the low dtype, else run as those ops.
@@ -89,6 +96,7 @@ __all__ = [
     "FILL",
     "FLOAT8",
     "FUSION",
+    "KEEPS_MAGNITUDE",
     "STATISTIC",
     "register_rule",
     "COMPOSITES",
@@ -118,6 +126,7 @@ FLOAT8: Final = "float8"
 STATISTIC: Final = "statistic"
 EPILOGUE: Final = "epilogue"
 FILL: Final = "fill"
+KEEPS_MAGNITUDE: Final = "keeps_magnitude"
 #: A sum across devices: it runs in the policy's ``reduce_dtype``.
 CROSS_DEVICE_SUM: Final = "cross_device_sum"
 #: A fusion: an op a rewrite pass made of several (a written-out attention),
@@ -135,6 +144,7 @@ FLAGS: Final = frozenset(
         STATISTIC,
         EPILOGUE,
         FILL,
+        KEEPS_MAGNITUDE,
         CROSS_DEVICE_SUM,
         FUSION,
     }
@@ -1025,6 +1035,10 @@ add_flags(
 )
 add_flags(["add", "sub"], EPILOGUE)
 add_flags(["select_n", "max", "min", "clamp"], FILL)
+add_flags(
+    ["add", "add_any", "sub", "mul", "max", "min", "clamp", "select_n"],
+    KEEPS_MAGNITUDE,
+)
 
 # ----------------------------------------------------------- higher-order
 def_higher_order(

@@ -104,7 +104,7 @@ def fused(m: Match, values: Sequence[Any], low: Any, out_shape: Sequence[int]) -
         q,
         k,
         v,
-        bias=None if bias is None else bias.astype(low),
+        bias=None if bias is None else itp.cast(bias, low, saturate=True),
         mask=mask,
         scale=m.scale,
         is_causal=m.causal,

@@ -11,6 +11,13 @@
   rule). Their tangents and cotangents take the primal's dtype; the JVP rule and
   the backward rule are interpreted too.
 * ``shard_map`` is rebuilt with ``jax.shard_map`` on the same mesh and specs.
+
+Every body is walked knowing which of its operands are constants and what the
+walk knows of them (:func:`known_operands`), as if it were inlined: a
+closed-over constant the low dtype cannot hold keeps its op in float32 inside
+a ``checkpoint``, a custom derivative or a ``shard_map`` as it does outside,
+and a fill of a known scalar saturates without a clamp. The bodies give back
+the marks of their results.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, primitives as P
 
 from mixprec._src import _compat
@@ -71,23 +79,49 @@ def call_body(ctx: CastContext) -> tuple[Walk, Any] | None:
     return walk.body(label, composite=composite), jaxpr
 
 
-def known_operands(ctx: CastContext) -> list[Any]:
-    """Per operand of a nested ``jit``, the value of a constant the walk knows
-    (a literal such as ``jnp.where``'s fill, a small closed-over array), else
-    ``None``; empty for other equations. The body is walked knowing them, as
-    if inlined: a constant it cannot cast keeps its op in float32, and a fill
-    saturates without a clamp."""
-    if _CALL_BODIES.get(ctx.eqn.primitive.name, (None, None))[1] != "jit":
-        return []
-    return [
-        itp.known_value(ctx.walk.facts, v) if m & CONST else None
-        for v, m in zip(ctx.eqn.invars, ctx.marks, strict=True)
-    ]
+def known_operands(
+    ctx: CastContext, body_avals: Sequence[Any] | None = None
+) -> list[Any]:
+    """Per operand of a call equation, what the walk knows of it if it is a
+    constant: its value (a literal such as ``jnp.where``'s fill, a closed-over
+    array of up to :data:`~mixprec._src.autocast.interpreter.FOLD_LIMIT`
+    elements, a constant folded from those), else its range
+    (:class:`~mixprec._src.autocast.interpreter.KnownRange`: a larger
+    closed-over array), else ``None``. The body is walked knowing them (the
+    ``known`` of :func:`~mixprec._src.autocast.interpreter.eval_jaxpr`), as if
+    inlined: a constant it cannot cast keeps its op in float32, and a fill
+    saturates without a clamp.
+
+    ``body_avals`` are the body's input types where they are not the
+    operands' (a ``shard_map`` body sees blocks): a value of another shape is
+    passed as its range.
+    """
+    walk = ctx.walk
+    out: list[Any] = []
+    for i, (v, m) in enumerate(zip(ctx.eqn.invars, ctx.marks, strict=True)):
+        if not m & CONST:
+            out.append(None)
+            continue
+        value = itp.known_value(walk.facts, v)
+        if value is not None and body_avals is not None:
+            if tuple(np.shape(value)) != tuple(getattr(body_avals[i], "shape", ())):
+                value = None
+        if value is not None:
+            out.append(value)
+            continue
+        magnitudes = walk.constant_range(v)
+        out.append(None if magnitudes is None else itp.KnownRange(magnitudes))
+    return out
 
 
 def _known_key(known: Sequence[Any]) -> tuple[Any, ...]:
     return tuple(
-        None if x is None else (x.dtype.str, x.shape, x.tobytes()) for x in known
+        None
+        if x is None
+        else ("range", *x)
+        if isinstance(x, itp.KnownRange)
+        else (x.dtype.str, x.shape, x.tobytes())
+        for x in known
     )
 
 
@@ -128,7 +162,8 @@ def _jit_rule(ctx: CastContext, *invals: Any, jaxpr: ClosedJaxpr, **params: Any)
 def _closed_call_rule(ctx: CastContext, *invals: Any, call_jaxpr: Any, **params):
     del params
     sub, _ = call_body(ctx)  # type: ignore[misc]
-    outs, marks = itp.eval_jaxpr(sub, call_jaxpr, (), invals, ctx.marks)
+    known = known_operands(ctx)
+    outs, marks = itp.eval_jaxpr(sub, call_jaxpr, (), invals, ctx.marks, known)
     ctx.out_marks[:] = marks
     return outs
 
@@ -147,10 +182,11 @@ def _remat_rule(
 ):
     del differentiated, params
     sub, _ = call_body(ctx)  # type: ignore[misc]
+    known = known_operands(ctx)
     box: dict[str, list[int]] = {}
 
     def fun(*args: Any) -> list[Any]:
-        outs, marks = itp.eval_jaxpr(sub, jaxpr, (), args, ctx.marks)
+        outs, marks = itp.eval_jaxpr(sub, jaxpr, (), args, ctx.marks, known)
         box["marks"] = marks
         return outs
 
@@ -194,11 +230,14 @@ def _custom_jvp_rule(
     consts = list(invals[:num_consts])
     args = list(invals[num_consts:])
     marks = list(ctx.marks)
+    known = known_operands(ctx)
     sub = walk.body(label, composite=composite)
     box: dict[str, Any] = {}
 
     def primal(*xs: Any) -> list[Any]:
-        outs, out_marks = itp.eval_jaxpr(sub, call_jaxpr, (), [*consts, *xs], marks)
+        outs, out_marks = itp.eval_jaxpr(
+            sub, call_jaxpr, (), [*consts, *xs], marks, known
+        )
         box["dtypes"] = [float_dtype(o) for o in outs]
         box["marks"] = out_marks
         return outs
@@ -210,7 +249,7 @@ def _custom_jvp_rule(
                 float_dtype(a)
                 for a in _compat.trace_to_closed_jaxpr(
                     lambda *a: itp.eval_jaxpr(
-                        probe, call_jaxpr, (), [*consts, *a], marks
+                        probe, call_jaxpr, (), [*consts, *a], marks, known
                     )[0],
                     [aval_of(x) for x in xs],
                     name="probe",
@@ -240,7 +279,9 @@ def _custom_jvp_rule(
             for p, t in zip(primals, tangents, strict=True)
         ]
         jmarks = marks[num_consts:] + [0] * len(tangents)
-        outs, _ = itp.eval_jaxpr(jsub, jaxpr, jconsts, [*primals, *tangents], jmarks)
+        outs, _ = itp.eval_jaxpr(
+            jsub, jaxpr, jconsts, [*primals, *tangents], jmarks, known[num_consts:]
+        )
         n = len(out_zeros)
         out_p = cast_all(outs[:n], dts)
         nz = iter(outs[n:])
@@ -284,13 +325,17 @@ def _custom_vjp_rule(
     consts = list(invals[:num_consts])
     args = list(invals[num_consts:])
     marks = list(ctx.marks)
+    known = known_operands(ctx)
     sub = walk.body(label, composite=composite)
     orig_out_avals = call_jaxpr.out_avals
     arg_dtypes = [float_dtype(a) for a in args]
     box: dict[str, Any] = {}
 
     def primal_outs(w: Walk, xs: Sequence[Any]) -> list[Any]:
-        return itp.eval_jaxpr(w, call_jaxpr, (), [*consts, *xs], marks)[0]
+        outs, box["marks"] = itp.eval_jaxpr(
+            w, call_jaxpr, (), [*consts, *xs], marks, known
+        )
+        return outs
 
     def primal(*xs: Any) -> list[Any]:
         outs = primal_outs(sub, xs)
@@ -311,7 +356,9 @@ def _custom_vjp_rule(
             box["dtypes"] = [float_dtype(a) for a in closed.out_avals]
         fjaxpr, fconsts = _compat.custom_vjp_fwd_jaxpr(fwd_jaxpr_thunk, len(xs))
         fsub = walk.body(f"{label}/fwd", composite=composite)
-        outs, _ = itp.eval_jaxpr(fsub, fjaxpr, fconsts, list(xs), marks[num_consts:])
+        outs, _ = itp.eval_jaxpr(
+            fsub, fjaxpr, fconsts, list(xs), marks[num_consts:], known[num_consts:]
+        )
         _, res_tree, input_fwds = out_trees()
         num_res_out = res_tree.num_leaves - sum(i is not None for i in input_fwds)
         res_out, primals_out = outs[:num_res_out], outs[num_res_out:]
@@ -344,7 +391,9 @@ def _custom_vjp_rule(
         return tuple(result)
 
     f.defvjp(f_fwd, f_bwd)
-    return list(f(*args))
+    outs = list(f(*args))
+    ctx.out_marks[:] = box.get("marks", ctx.out_marks)
+    return outs
 
 
 def _cast_to_avals(vals: Sequence[Any], avals: Sequence[Any]) -> list[Any]:
@@ -388,9 +437,12 @@ def _shard_map_rule(
 ):
     axis_names = params.get("newly_manual_axes", params.get("manual_axes"))
     sub = ctx.walk.body("shard_map")
+    known = known_operands(ctx, [v.aval for v in jaxpr.invars])
+    box: dict[str, list[int]] = {}
 
     def body(*xs: Any) -> tuple[Any, ...]:
-        return tuple(itp.eval_jaxpr(sub, jaxpr, (), xs, ctx.marks)[0])
+        outs, box["marks"] = itp.eval_jaxpr(sub, jaxpr, (), xs, ctx.marks, known)
+        return tuple(outs)
 
     kwargs: dict[str, Any] = {}
     if axis_names is not None:
@@ -403,7 +455,9 @@ def _shard_map_rule(
         check_vma=check_vma,
         **kwargs,
     )
-    return list(sm(*invals))
+    outs = list(sm(*invals))
+    ctx.out_marks[:] = box.get("marks", ctx.out_marks)
+    return outs
 
 
 for _name in ("jit", "pjit"):
