@@ -627,3 +627,30 @@ def test_ragged_dot_runs_as_a_product():
     report = mixprec.explain(loss, lhs, rhs, groups, policy="mixed_bfloat16")
     (op,) = report.find("ragged_dot_general")
     assert op.decision == "low" and op.flops == 2 * 64 * 16 * 32
+
+
+def test_every_formulation_takes_one_request():
+    # A product's formulations are called like rules,
+    # `formulation(request, lhs, rhs, *extra, **params)`: what decide.py
+    # decided arrives as one ProductRequest, so a cross-cutting feature is a
+    # field of the request, never one more keyword argument of each
+    # formulation (which the product rule would then have to decide).
+    import inspect
+
+    from mixprec._src.autocast import ops
+
+    products = [s.product for s in ops.all_specs() if s.product is not None]
+    assert {s.name for s in ops.all_specs() if s.product is not None} >= {
+        "dot_general",
+        "conv_general_dilated",
+        "ragged_dot_general",
+    }
+    for product in products:
+        for fn in (product.low, product.float8):
+            if fn is None:
+                continue
+            params = list(inspect.signature(fn).parameters.values())
+            assert params[0].name == "request", fn
+            kinds = {p.kind for p in params[1:]}
+            assert inspect.Parameter.KEYWORD_ONLY not in kinds, fn
+            assert params[-1].kind is inspect.Parameter.VAR_KEYWORD, fn

@@ -22,6 +22,10 @@ E4M3, E5M2 = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)
 FORMATS = [E4M3, E5M2]
 DN = (((1,), (0,)), ((), ()))  # (M, K) x (K, N)
 SMALL = "p=f32,c=bf16,o=f32,f8={}:min_dim=16"  # float8 for small test shapes
+# The named recipes' data, written out here (not read from the code under test):
+# which scale per row, and the gradients' format.
+ROWWISE = {"rowwise", "rowwise_e4m3"}
+GRAD_FORMAT = {"tensorwise": E5M2, "rowwise": E5M2, "rowwise_e4m3": E4M3}
 # Gradients of a whole network against float32: norm of the error over the norm
 # of the float32 gradient, all leaves together. bfloat16 reaches about 0.005
 # on the models below; float8 (3 or 2 mantissa bits) about 0.04-0.06.
@@ -140,14 +144,20 @@ def _dot(a, b, scaling, **kw):
 
 
 def _ref_dot(a, b, scaling, fa=E4M3, fb=E4M3):
-    rowwise = scaling == "rowwise"
-    qa, sa = np_quantize(a, fa, (1,) if rowwise else None)
-    qb, sb = np_quantize(b, fb, (0,) if rowwise else None)
+    rowwise = scaling in ROWWISE
+    return _ref_scaled_dot(a, b, rowwise, rowwise, fa, fb)
+
+
+def _ref_scaled_dot(a, b, row_a, row_b, fa, fb):
+    """``a @ b`` of float8-scaled operands; ``row_*``: one scale per row of
+    ``a`` / column of ``b`` (over the contraction) instead of one per tensor."""
+    qa, sa = np_quantize(a, fa, (1,) if row_a else None)
+    qb, sb = np_quantize(b, fb, (0,) if row_b else None)
     prod = qa.astype(np.float64) @ qb.astype(np.float64)
     return prod * sa.astype(np.float64) * sb.astype(np.float64)
 
 
-@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise", "rowwise_e4m3"])
 def test_dot_forward_and_backward_match_numpy(scaling):
     a, b = _rng_values(2, (32, 48), 2.0), _rng_values(3, (48, 16), 2.0)
     g = _rng_values(4, (32, 16), 2.0)
@@ -159,14 +169,15 @@ def test_dot_forward_and_backward_match_numpy(scaling):
     )
     da, db = vjp(jnp.asarray(g))
     assert da.dtype == db.dtype == F32
+    fg = GRAD_FORMAT[scaling]
     if scaling == "tensorwise":  # residuals: the forward's float8 operands
-        ref_da = _ref_dot(g, b.T, scaling, E5M2, E4M3)
-        ref_db = _ref_dot(a.T, g, scaling, E4M3, E5M2)
+        ref_da = _ref_dot(g, b.T, scaling, fg, E4M3)
+        ref_db = _ref_dot(a.T, g, scaling, E4M3, fg)
     else:  # re-quantized along the backward contraction, from bf16 residuals
         a16 = a.astype(ml_dtypes.bfloat16).astype(np.float32)
         b16 = b.astype(ml_dtypes.bfloat16).astype(np.float32)
-        ref_da = _ref_dot(g, b16.T, scaling, E5M2, E4M3)
-        ref_db = _ref_dot(a16.T, g, scaling, E4M3, E5M2)
+        ref_da = _ref_dot(g, b16.T, scaling, fg, E4M3)
+        ref_db = _ref_dot(a16.T, g, scaling, E4M3, fg)
     for got, want in ((da, ref_da), (db, ref_db)):
         np.testing.assert_allclose(
             np.asarray(got), want, rtol=0, atol=2e-6 * np.abs(want).max()
@@ -246,6 +257,153 @@ def test_tiny_convolutions_are_not_flushed():
     )
 
 
+@pytest.mark.parametrize(
+    ("scales", "formats"),
+    [
+        (("rowwise", "tensorwise"), ("e4m3", "e5m2")),
+        (("tensorwise", "rowwise"), ("e4m3", "e4m3")),
+        (("rowwise", "rowwise"), ("e5m2", "e4m3")),
+    ],
+)
+def test_the_recipe_data_drives_the_formulation(scales, formats):
+    # A recipe built here, with scales and formats no named recipe has: the
+    # formulation reads them per role (an operand, a gradient), forward and
+    # backward, so a new recipe needs no code.
+    recipe = f8.Float8Recipe(min_dim=1, formats=formats, scales=scales)
+    fmt = {"e4m3": E4M3, "e5m2": E5M2}
+    f_op, f_grad = fmt[formats[0]], fmt[formats[1]]
+    row_op, row_grad = (s == "rowwise" for s in scales)
+    a, b = _rng_values(12, (32, 48), 2.0), _rng_values(13, (48, 16), 2.0)
+    g = _rng_values(14, (32, 16), 2.0)
+
+    def f(x, y):
+        return float8_dots.dot_general(
+            x, y, dimension_numbers=DN, recipe=recipe, low_dtype=jnp.bfloat16,
+            out_dtype=jnp.float32,
+        )  # fmt: skip
+
+    out, vjp = jax.vjp(f, jnp.asarray(a), jnp.asarray(b))
+    da, db = vjp(jnp.asarray(g))
+    # Residuals scaled per row are kept in bfloat16 and quantized again along
+    # the backward contraction; per tensor, the forward's float8 values.
+    a_r, b_r = (
+        x.astype(ml_dtypes.bfloat16).astype(np.float32) if row_op else x for x in (a, b)
+    )
+    want = {
+        "out": (out, _ref_scaled_dot(a, b, row_op, row_op, f_op, f_op)),
+        "d_lhs": (da, _ref_scaled_dot(g, b_r.T, row_grad, row_op, f_grad, f_op)),
+        "d_rhs": (db, _ref_scaled_dot(a_r.T, g, row_op, row_grad, f_op, f_grad)),
+    }
+    tensorwise = {
+        "out": _ref_scaled_dot(a, b, False, False, E4M3, E4M3),
+        "d_lhs": _ref_scaled_dot(g, b.T, False, False, E5M2, E4M3),
+        "d_rhs": _ref_scaled_dot(a.T, g, False, False, E4M3, E5M2),
+    }
+    differs = []
+    for name, (got, ref) in want.items():
+        atol = 2e-6 * np.abs(ref).max()
+        np.testing.assert_allclose(
+            np.asarray(got), ref, rtol=0, atol=atol, err_msg=name
+        )
+        differs.append(np.abs(tensorwise[name] - ref).max() > 100 * atol)
+    # The comparison can tell the recipes apart: where a role's data differs
+    # from the default recipe, the numbers do.
+    assert sum(differs) >= 2, differs
+    # The formats reach the products as written in the recipe.
+    jaxpr = jax.make_jaxpr(lambda x, y: jax.vjp(f, x, y)[1](g))(a, b)
+    converts = [
+        str(e.params["new_dtype"])
+        for e in iter_eqns(jaxpr, None)
+        if e.primitive.name == "convert_element_type"
+        and str(e.params["new_dtype"]).startswith("float8")
+    ]
+    # Forward: lhs and rhs; backward: the cotangent (once per contraction
+    # where its scales differ) and re-quantized residuals.
+    assert converts[:2] == [f_op.name] * 2
+    assert converts[2:].count(f_grad.name) == (2 if row_grad else 1) + (
+        2 * (f_grad == f_op) if row_op else 0
+    )
+
+
+def test_recipe_data_reaches_autocast_decisions():
+    # Through a policy string: the decision names each operand's format and
+    # scales from the recipe's data.
+    policy = SMALL.format("tensorwise:scales=rowwise/tensorwise:formats=e4m3/e4m3")
+    assert mixprec.get_policy(policy).float8 == f8.Float8Recipe(
+        min_dim=16, scales=("rowwise", "tensorwise"), formats=(E4M3, E4M3)
+    )
+    p, x, t = _mlp_problem()
+    report = mixprec.explain(jax.grad(mlp_loss), p, x, t, policy=policy)
+    dots_ = report.find("dot_general")
+    assert dots_ and all(op.decision == "float8" for op in dots_)
+    for op in dots_:
+        assert op.in_dtypes == ("float8_e4m3fn",) * 2
+        if op.backward:  # a gradient (per tensor) times a residual (per row)
+            assert "rowwise / tensorwise" in op.reason or (
+                "tensorwise / rowwise" in op.reason
+            ), op.reason
+        else:
+            assert "(rowwise current scaling)" in op.reason, op.reason
+
+
+def _row_maxes(jaxpr):
+    """Amax reductions with a non-scalar result: scales per row."""
+    return [
+        e
+        for e in iter_eqns(jaxpr)
+        if e.primitive.name == "reduce_max" and e.outvars[0].aval.shape
+    ]
+
+
+def test_a_recipe_is_one_entry_of_the_table(monkeypatch):
+    # A recipe that differs only in data needs no code: registered here, it
+    # runs through the policy string, autocast and explain. This one scales
+    # operands per tensor and gradients per row, all in e4m3.
+    monkeypatch.setitem(
+        f8.RECIPES,
+        "test_e4m3_rowwise_gradients",
+        f8._Preset((E4M3, E4M3), ("tensorwise", "rowwise"), "a test recipe"),
+    )
+    policy = SMALL.format("test_e4m3_rowwise_gradients")
+    recipe = mixprec.get_policy(policy).float8
+    assert str(recipe) == "test_e4m3_rowwise_gradients:min_dim=16"
+    assert recipe.scales == ("tensorwise", "rowwise")
+    p, x, t = _mlp_problem()
+    loss = mixprec.autocast(mlp_loss, policy)
+    forward = jax.make_jaxpr(loss)(p, x, t)
+    grad = jax.make_jaxpr(jax.grad(loss))(p, x, t)
+    assert {d for d, _ in _float8_converts(grad)} == {"float8_e4m3fn"}
+    # Per tensor forward, per row for the gradients only.
+    assert not _row_maxes(forward) and _row_maxes(grad)
+    ref = jax.jit(jax.grad(mlp_loss))(p, x, t)
+    got = jax.jit(jax.grad(loss))(p, x, t)
+    assert_tree_dtypes(got, ref)
+    err = global_rel_error(jax.tree.leaves(got), jax.tree.leaves(ref))
+    assert err < FLOAT8_GRAD_TOL
+    report = mixprec.explain(jax.grad(mlp_loss), p, x, t, policy=policy)
+    assert all(op.decision == "float8" for op in report.find("dot_general"))
+
+
+def test_rowwise_e4m3_quantizes_gradients_to_e4m3():
+    # DeepSeek-V3's choice: e4m3 for gradients too, rowwise scales.
+    p, x, t = _mlp_problem()
+    policy = SMALL.format("rowwise_e4m3")
+    step = jax.make_jaxpr(mixprec.autocast(jax.grad(mlp_loss), policy))(p, x, t)
+    grad = jax.make_jaxpr(jax.grad(mixprec.autocast(mlp_loss, policy)))(p, x, t)
+    for jaxpr in (step, grad):
+        converts = _float8_converts(jaxpr)
+        assert converts and {d for d, _ in converts} == {"float8_e4m3fn"}
+        assert any(bwd for _, bwd in converts) or jaxpr is grad
+        # Rowwise: amax per row, a reduce_max with a non-scalar result.
+        assert _row_maxes(jaxpr)
+    report = mixprec.explain(jax.grad(mlp_loss), p, x, t, policy=policy)
+    for op in report.find("dot_general"):
+        assert op.decision == "float8" and op.float8 == "rowwise_e4m3:min_dim=16"
+        assert op.in_dtypes == ("float8_e4m3fn",) * 2
+        assert "rowwise current scaling" in op.reason
+        assert ("(gradient)" in op.reason) == op.backward
+
+
 # ------------------------------------------------------------------ autocast
 
 
@@ -273,7 +431,7 @@ def mlp_loss(p, x, t):
     return jnp.mean((_mlp(p, x) - t) ** 2)
 
 
-@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise", "rowwise_e4m3"])
 def test_mlp_gradients_within_float8_tolerance(scaling):
     p, x, t = _mlp_problem()
     policy = SMALL.format(scaling)
@@ -448,6 +606,8 @@ def test_policy_names_strings_and_round_trip():
     for spec in (
         "mixed_float8",
         "p=f32,c=bf16,f8=rowwise",
+        "p=f32,c=bf16,f8=rowwise_e4m3",
+        "p=f32,f8=tensorwise:scales=rowwise/tensorwise:formats=e4m3/e4m3",
         "f32,f8=tensorwise:min_dim=32"[4:] and "p=f32,f8=tensorwise:min_dim=32",
     ):
         parsed = mixprec.get_policy(spec)
@@ -465,9 +625,22 @@ def test_policy_names_strings_and_round_trip():
     [
         (
             lambda: mixprec.Float8Recipe("delayed"),
-            "must be one of 'rowwise', 'tensorwise'",
+            "must be one of 'rowwise', 'rowwise_e4m3', 'tensorwise'",
         ),
         (lambda: mixprec.Float8Recipe(min_dim=0), "positive int"),
+        (
+            lambda: mixprec.Float8Recipe(formats=("e4m3", "int8")),
+            r"`Float8Recipe\(formats=...\)` must hold float8 formats",
+        ),
+        (lambda: mixprec.Float8Recipe(formats="e4m3"), "must be a pair"),
+        (
+            lambda: mixprec.Float8Recipe(scales=("rowwise", "blockwise")),
+            r"`Float8Recipe\(scales=...\)` must hold 'rowwise', 'tensorwise'",
+        ),
+        (
+            lambda: mixprec.get_policy("p=f32,f8=rowwise:formats=e4m3/e3m4"),
+            "must hold float8 formats",
+        ),
         (lambda: mixprec.get_policy("p=f32,f8=rowwise:history=4"), "unknown option"),
         (lambda: mixprec.get_policy("p=f32,f8=rowise"), "Did you mean 'rowwise'"),
         (lambda: mixprec.Policy("f32", "bf16", "f32", float8=3), "Float8Recipe"),

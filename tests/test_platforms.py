@@ -170,7 +170,7 @@ def test_whole_step_cuda_export_runs_the_gemms_of_a_wrapped_loss(low, monkeypatc
         assert got.dtype == want.dtype
 
 
-@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise", "rowwise_e4m3"])
 @pytest.mark.parametrize("where", ["loss", "step"])
 def test_cuda_export_of_float8_hands_float8_arrays_to_the_gemms(scaling, where):
     policy = mixprec.Policy("float32", "bfloat16", "float32", float8=scaling)
@@ -178,14 +178,24 @@ def test_cuda_export_of_float8_hands_float8_arrays_to_the_gemms(scaling, where):
     text = export.export(f, platforms=["cuda"])(_params(), X).mlir_module()
     dots = _dots(text)
     f8_dots = [ops for ops, _ in dots if set(ops) <= set(F8)]
+    # The gradient operands' format: e5m2, except under rowwise_e4m3 (DeepSeek-V3's
+    # choice), whose gradients are e4m3 too and whose GEMMs see no e5m2 at all.
+    with_e5m2 = sum("f8E5M2" in ops for ops in f8_dots)
     if where == "loss":
-        # Forward in e4m3; both backward products take the e5m2 cotangent.
+        # Forward in e4m3; both backward products take the cotangent.
         assert len(f8_dots) == len(dots) == 5, dots
-        assert sum("f8E5M2" in ops for ops in f8_dots) == 3, dots
+        assert with_e5m2 == (0 if scaling == "rowwise_e4m3" else 3), dots
     else:
         # The whole step's backward dots are equations of their own: each is
-        # a float8 product too (its gradient operand in e5m2).
+        # a float8 product too (its gradient operand in the gradient format).
         assert len(f8_dots) == len(dots) == 5, dots
+        if scaling == "rowwise_e4m3":
+            assert with_e5m2 == 0, dots
+        else:
+            assert with_e5m2 > 0, dots
+    if scaling == "rowwise_e4m3":
+        assert all(ops == ("f8E4M3FN", "f8E4M3FN") for ops in f8_dots), dots
+        assert "f8E5M2" not in text
     # No float8 value is converted back to a wider type: XLA's GPU pipeline
     # would fold f32 -> f8 -> bf16 into one convert and lose the rounding.
     assert not re.search(r"stablehlo\.convert[^\n]*\(tensor<[^>]*xf8E", text)

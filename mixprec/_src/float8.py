@@ -16,8 +16,11 @@ scale is kept beside it:
   (``e4m3fn`` has no infinity) or ``inf`` (``e5m2``);
 * dequantize: ``q.astype(dtype) * scale``.
 
-Forward operands use e4m3 (more precision), gradients e5m2 (more range), as
-in NVIDIA Transformer Engine, torchao and Flax. The scale is computed from the
+Which format and which scales each operand takes is the recipe's data
+(:class:`Float8Recipe`, the named ones in :data:`RECIPES`): by default forward
+operands use e4m3 (more precision) and gradients e5m2 (more range), as in
+NVIDIA Transformer Engine, torchao and Flax; DeepSeek-V3 uses e4m3 for
+gradients too, with finer scales (``"rowwise_e4m3"``). The scale is computed from the
 tensor itself just before the cast ("current" scaling, torchao's default), so
 it cannot saturate; values smaller than ``amax * 2**-17.8`` (e4m3) flush to
 zero.
@@ -47,7 +50,9 @@ from ._errors import format_choices, suggest
 __all__ = [
     "E4M3",
     "E5M2",
-    "SCALINGS",
+    "FORMAT_NAMES",
+    "RECIPES",
+    "SCALES",
     "Float8Recipe",
     "dequantize",
     "format_max",
@@ -63,64 +68,145 @@ E4M3: Final = np.dtype(jnp.float8_e4m3fn)
 E5M2: Final = np.dtype(jnp.float8_e5m2)
 FORMATS: Final = (E4M3, E5M2)
 
-#: How amax (hence the scale) is taken: one per tensor, or one per row of the
-#: lhs and column of the rhs of a matmul (reduced over the contraction).
-SCALINGS: Final[dict[str, str]] = {
+#: What one scale of an operand covers (a recipe's ``scales``, per role).
+SCALES: Final[dict[str, str]] = {
     "tensorwise": "one scale per tensor, from its amax just before the cast",
     "rowwise": "one scale per row of the lhs and per column of the rhs "
-    "(reduced over the contracted dimensions)",
+    "(amax over the contracted dimensions; an operand without contracted "
+    "dimensions, a convolution's, takes one scale)",
+}
+
+#: The short names of the float8 formats in recipe strings.
+FORMAT_NAMES: Final[dict[str, np.dtype]] = {"e4m3": E4M3, "e5m2": E5M2}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Preset:
+    """The data of a named recipe."""
+
+    formats: tuple[np.dtype, np.dtype]  # (operands, gradients)
+    scales: tuple[str, str]  # (operands, gradients), keys of SCALES
+    text: str  # for the docs and error messages
+
+
+#: The named recipes: ``Float8Recipe(<name>)`` takes its formats and scales
+#: from here. A new recipe that differs only in data is one entry.
+RECIPES: Final[dict[str, _Preset]] = {
+    "tensorwise": _Preset(
+        (E4M3, E5M2),
+        ("tensorwise", "tensorwise"),
+        "e4m3 operands, e5m2 gradients, one scale per tensor (torchao's default)",
+    ),
+    "rowwise": _Preset(
+        (E4M3, E5M2),
+        ("rowwise", "rowwise"),
+        "e4m3 operands, e5m2 gradients, one scale per row of the lhs and column "
+        "of the rhs",
+    ),
+    "rowwise_e4m3": _Preset(
+        (E4M3, E4M3),
+        ("rowwise", "rowwise"),
+        "e4m3 for gradients too, rowwise scales (DeepSeek-V3's choice of one "
+        "format, with fine-grained scales to give e4m3 the range)",
+    ),
 }
 
 # Tensor cores take float8 GEMMs only with dimensions that are multiples of 16
 # (cuBLASLt; torchao skips layers that are not).
 ALIGNMENT: Final = 16
 _F32: Final = np.dtype(np.float32)
+_SHORT: Final = {v: k for k, v in FORMAT_NAMES.items()}
+
+
+def _format(value: Any, what: str) -> np.dtype:
+    """A float8 format from a dtype or a short name (``"e4m3"``)."""
+    if isinstance(value, str) and value.strip().lower() in FORMAT_NAMES:
+        return FORMAT_NAMES[value.strip().lower()]
+    try:
+        fmt = np.dtype(value)
+    except TypeError:
+        fmt = None
+    if fmt is None or fmt not in FORMATS:
+        raise ValueError(
+            f"`Float8Recipe({what}=...)` must hold float8 formats "
+            f"({format_choices(FORMAT_NAMES)}, or their dtypes), got {value!r}."
+        )
+    return fmt
+
+
+def _pair(value: Any, what: str) -> tuple[Any, Any]:
+    if isinstance(value, str) or not isinstance(value, Sequence) or len(value) != 2:
+        raise ValueError(
+            f"`Float8Recipe({what}=...)` must be a pair (operands, gradients), "
+            f"got {value!r}."
+        )
+    return value[0], value[1]
 
 
 @dataclasses.dataclass(frozen=True)
 class Float8Recipe:
-    """How autocast runs matmuls and convolutions in float8.
+    """How autocast runs matmuls and convolutions in float8: a recipe is data.
 
     A recipe is static configuration: frozen, hashable, part of a
     :class:`mixprec.Policy` (``Policy(..., float8=recipe)``) and so of every
     cache key. ``get_policy("mixed_float8")`` uses the default recipe.
 
-    Forward operands are quantized to ``float8_e4m3fn`` and the gradient
-    operand of backward matmuls to ``float8_e5m2``, each with a scale computed
-    from its own amax just before the cast (current scaling), products
-    accumulated in float32.
+    Each operand of a product is scaled into a float8 format with a scale
+    computed from its own amax just before the cast (current scaling), and
+    the product is accumulated in float32. What a recipe says is, per role of
+    an operand (an ordinary operand, forward or kept for the backward pass;
+    or a gradient, the cotangent of a backward product), its format and what
+    one scale covers. The formulations
+    (:mod:`mixprec._src.autocast.float8_dots`), the decision and ``diagnose``
+    read these fields and nothing else.
 
     Attributes:
-        scaling: ``"tensorwise"`` (one scale per tensor; the default, and the
-            layout XLA's GPU compiler rewrites into a float8 cuBLASLt GEMM) or
-            ``"rowwise"`` (one scale per row of the lhs and column of the rhs,
-            reduced over the contraction: an outlier costs precision only in
-            its own row; convolutions stay tensorwise).
+        scaling: the recipe's name, a key of :data:`RECIPES`
+            (``"tensorwise"``, the default: torchao's default and the layout
+            XLA's GPU compiler hands to a float8 cuBLASLt GEMM; ``"rowwise"``:
+            an outlier costs precision only in its own row;
+            ``"rowwise_e4m3"``: e4m3 for gradients too). ``formats`` and
+            ``scales`` not given are the named recipe's.
         min_dim: a product whose smallest dimension (``M``, ``N`` or ``K`` of
             a matmul, per batch element; for a convolution its output
             positions, output channels and ``C_in x window``) is below this
             stays in the 16-bit dtype: converting costs more than float8
             saves, and attention's per-head products (``K`` = head size) stay
             16-bit as in Transformer Engine and torchao.
+        formats: ``(operands, gradients)``: the float8 format of an ordinary
+            operand and of a gradient (``float8_e4m3fn`` or ``float8_e5m2``,
+            or ``"e4m3"`` / ``"e5m2"``).
+        scales: ``(operands, gradients)``: what one scale covers, a key of
+            :data:`SCALES` (``"tensorwise"`` or ``"rowwise"``). A convolution's
+            operands have no contracted axes that a row scale could cover:
+            they are scaled per tensor under every recipe.
 
     Examples:
         >>> r = Float8Recipe("rowwise")
-        >>> str(r), Float8Recipe.parse("rowwise") == r
-        ('rowwise', True)
+        >>> str(r), Float8Recipe.parse("rowwise") == r, r.scales
+        ('rowwise', True, ('rowwise', 'rowwise'))
         >>> str(Float8Recipe(min_dim=16))
         'tensorwise:min_dim=16'
+        >>> [f.name for f in Float8Recipe("rowwise_e4m3").formats]
+        ['float8_e4m3fn', 'float8_e4m3fn']
+        >>> custom = Float8Recipe(scales=("rowwise", "tensorwise"))
+        >>> str(custom), Float8Recipe.parse(str(custom)) == custom
+        ('tensorwise:scales=rowwise/tensorwise', True)
     """
 
     scaling: str = "tensorwise"
     min_dim: int = 128
+    # None: the named recipe's (filled in by __post_init__).
+    formats: tuple[DTypeLike, DTypeLike] | None = None
+    scales: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.scaling, str) or self.scaling not in SCALINGS:
+        if not isinstance(self.scaling, str) or self.scaling not in RECIPES:
             raise ValueError(
                 f"`Float8Recipe(scaling=...)` must be one of "
-                f"{format_choices(SCALINGS)}, got {self.scaling!r}."
+                f"{format_choices(RECIPES)}, got {self.scaling!r}."
                 + (
-                    suggest(self.scaling, SCALINGS)
+                    suggest(self.scaling, RECIPES)
                     if isinstance(self.scaling, str)
                     else ""
                 )
@@ -137,55 +223,111 @@ class Float8Recipe:
                 f"{self.min_dim!r}."
             )
         object.__setattr__(self, "min_dim", int(self.min_dim))
+        preset = RECIPES[self.scaling]
+        formats = preset.formats if self.formats is None else self.formats
+        fa, fg = _pair(formats, "formats")
+        object.__setattr__(
+            self, "formats", (_format(fa, "formats"), _format(fg, "formats"))
+        )
+        scales = preset.scales if self.scales is None else self.scales
+        pair = _pair(scales, "scales")
+        for s in pair:
+            if not isinstance(s, str) or s not in SCALES:
+                raise ValueError(
+                    f"`Float8Recipe(scales=...)` must hold {format_choices(SCALES)}"
+                    f", got {s!r}." + (suggest(s, SCALES) if isinstance(s, str) else "")
+                )
+        object.__setattr__(self, "scales", (str(pair[0]), str(pair[1])))
+
+    def _data(self) -> tuple[tuple[np.dtype, np.dtype], tuple[str, str]]:
+        """The formats and scales (``__post_init__`` filled them in)."""
+        assert self.formats is not None and self.scales is not None
+        fa, fg = self.formats
+        return (np.dtype(fa), np.dtype(fg)), self.scales
 
     def __str__(self) -> str:
-        default = type(self)()
-        if self.min_dim == default.min_dim:
-            return self.scaling
-        return f"{self.scaling}:min_dim={self.min_dim}"
+        text = self.scaling
+        preset = RECIPES[self.scaling]
+        formats, scales = self._data()
+        if self.min_dim != type(self)().min_dim:
+            text += f":min_dim={self.min_dim}"
+        if formats != preset.formats:
+            text += ":formats=" + "/".join(_SHORT[f] for f in formats)
+        if scales != preset.scales:
+            text += ":scales=" + "/".join(scales)
+        return text
 
-    def scale_axes(self, contracting: Sequence[int]) -> tuple[int, ...] | None:
+    def format(self, *, gradient: bool = False) -> np.dtype:
+        """The float8 format of an operand: of a gradient, or an ordinary one.
+
+        Examples:
+            >>> Float8Recipe().format(gradient=True)
+            dtype(float8_e5m2)
+            >>> Float8Recipe("rowwise_e4m3").format(gradient=True)
+            dtype(float8_e4m3fn)
+        """
+        return self._data()[0][1 if gradient else 0]
+
+    def scale_axes(
+        self, contracting: Sequence[int], *, gradient: bool = False
+    ) -> tuple[int, ...] | None:
         """The axes of an operand that one scale covers: ``None`` for a scale
-        per tensor (tensorwise, or a product without contracted axes such as a
-        convolution), the contracted axes for rowwise.
+        per tensor (a ``"tensorwise"`` role, or a product without contracted
+        axes such as a convolution), the contracted axes for ``"rowwise"``.
+
+        Args:
+            contracting: the operand's contracted axes in its product.
+            gradient: the operand is a gradient (the recipe's second role).
 
         Examples:
             >>> rowwise, tensorwise = Float8Recipe("rowwise"), Float8Recipe()
             >>> rowwise.scale_axes((1,)), tensorwise.scale_axes((1,))
             ((1,), None)
+            >>> mixed = Float8Recipe(scales=("tensorwise", "rowwise"))
+            >>> mixed.scale_axes((0,)), mixed.scale_axes((0,), gradient=True)
+            (None, (0,))
         """
-        if self.scaling == "rowwise" and contracting:
+        if self._data()[1][1 if gradient else 0] == "rowwise" and contracting:
             return tuple(int(a) for a in contracting)
         return None
 
     @classmethod
     def parse(cls, text: str) -> Float8Recipe:
-        """The recipe ``str(recipe)`` wrote: ``"rowwise"``, ``"tensorwise:min_dim=16"``.
+        """The recipe ``str(recipe)`` wrote: ``"rowwise"``,
+        ``"tensorwise:min_dim=16"``, ``"rowwise:formats=e4m3/e4m3"``.
 
         Raises:
-            ValueError: an unknown scaling or option.
+            ValueError: an unknown recipe or option.
 
         Examples:
             >>> Float8Recipe.parse("tensorwise:min_dim=64").min_dim
             64
+            >>> Float8Recipe.parse("rowwise:formats=e4m3/e4m3").formats[1].name
+            'float8_e4m3fn'
         """
         name, *options = text.strip().split(":")
         kwargs: dict[str, Any] = {}
+        form = (
+            "the form is '<recipe>[:min_dim=<int>][:formats=<f>/<f>]"
+            "[:scales=<s>/<s>]', e.g. 'rowwise:min_dim=64'"
+        )
         for opt in options:
             key, sep, value = opt.partition("=")
             key = key.strip()
-            if not sep or key != "min_dim":
+            if not sep or key not in ("min_dim", "formats", "scales"):
                 raise ValueError(
-                    f"`Float8Recipe.parse({text!r})`: unknown option {opt!r}; the "
-                    "form is '<scaling>[:min_dim=<int>]', e.g. 'rowwise:min_dim=64'."
+                    f"`Float8Recipe.parse({text!r})`: unknown option {opt!r}; {form}."
                 )
-            try:
-                kwargs[key] = int(value)
-            except ValueError:
-                raise ValueError(
-                    f"`Float8Recipe.parse({text!r})`: min_dim must be an int, got "
-                    f"{value!r}."
-                ) from None
+            if key == "min_dim":
+                try:
+                    kwargs[key] = int(value)
+                except ValueError:
+                    raise ValueError(
+                        f"`Float8Recipe.parse({text!r})`: min_dim must be an int, "
+                        f"got {value!r}."
+                    ) from None
+            else:
+                kwargs[key] = tuple(v.strip().lower() for v in value.split("/"))
         return cls(name.strip().lower(), **kwargs)
 
 

@@ -39,9 +39,10 @@ rules carry out and the numerics tools report. Under the default mode
   as written.
 
 Under a policy with a :class:`~mixprec.Float8Recipe` (``"mixed_float8"``), an
-allow op that would be lowered runs in **float8** instead: operands scaled into
-``float8_e4m3fn``, except an operand that is a gradient (a value of a backward
-pass that derives from the loss's cotangent), which goes to ``float8_e5m2``;
+allow op that would be lowered runs in **float8** instead: each operand scaled
+into the recipe's format for its role (``float8_e4m3fn`` under the default
+recipe), a gradient (a value of a backward pass that derives from the loss's
+cotangent) into the recipe's gradient format (``float8_e5m2`` by default);
 float32 accumulation; the result in the low dtype as above. A product the
 recipe's skip rules exclude (a dimension not a multiple of 16, or smaller than
 ``min_dim``) stays in the low dtype, and its decision says why.
@@ -68,6 +69,9 @@ other dtype choice autocast makes, so that each is made in one place:
 
 * :func:`decide_eqn`: the facts of one equation of a walk (its region, its
   operands' marks, dtypes and shapes) turned into a :func:`decide` call;
+* :func:`product_request`: how a matmul-like equation runs (its low, out and
+  reduce dtypes, float8 recipe and formats, platform), the one argument of its
+  formulation;
 * :func:`decide_epilogue`: a bias add fused into the CPU matmul before it;
 * :func:`out_marks`: the marks an equation's results carry (see below);
 * :func:`carry_dtypes` and :func:`branch_dtypes`: the types of loop carries
@@ -111,6 +115,7 @@ from mixprec._src.autocast.ops import (
     NARROW_RANGE,
     OpClass,
 )
+from mixprec._src.autocast.request import ProductRequest
 
 
 __all__ = [
@@ -130,6 +135,7 @@ __all__ = [
     "decide_epilogue",
     "decide_eqn",
     "out_marks",
+    "product_request",
 ]
 
 #: The value is broadcast into its consumers (bias, scale, scalar): it follows.
@@ -156,6 +162,7 @@ _F32: Final = np.dtype(np.float32)
 _F16: Final = np.dtype(np.float16)
 _BF16: Final = np.dtype("bfloat16")
 _HALF: Final = frozenset({_F16, _BF16})
+_FORMAT_NAMES: Final = {v: k for k, v in f8.FORMAT_NAMES.items()}
 
 
 class Precision(enum.Enum):
@@ -195,6 +202,8 @@ class Decision:
         float8_skip: why the recipe kept this allow op out of float8, as
             ``(kind, text)`` with kind ``"alignment"``, ``"size"`` or
             ``"symbolic"`` (``None`` otherwise).
+        float8_gradients: for :attr:`Precision.FLOAT8`, which operands are
+            gradients (they take the recipe's gradient format and scales).
 
     Examples:
         >>> d = Decision(Precision.LOW, np.dtype("bfloat16"), "allow", "allow list")
@@ -210,6 +219,7 @@ class Decision:
     float8: f8.Float8Recipe | None = None
     operand_dtypes: tuple[np.dtype, ...] | None = None
     float8_skip: tuple[str, str] | None = None
+    float8_gradients: tuple[bool, ...] | None = None
 
     @property
     def label(self) -> str:
@@ -259,7 +269,7 @@ def decide(
     float8: f8.Float8Recipe | None = None,
     float8_dims: tuple[tuple[str, int], ...] | None = None,
     float8_align: tuple[tuple[str, int], ...] = (),
-    float8_rowwise: bool = True,
+    float8_contracting: tuple[tuple[int, ...], ...] = ((), ()),
     gradients: tuple[bool, ...] = (),
     reduce: np.dtype | None = None,
 ) -> Decision:
@@ -287,9 +297,10 @@ def decide(
             recipe's skip rules.
         float8_align: ``(name, size)`` of the dimensions that must be
             multiples of 16.
-        float8_rowwise: whether a rowwise recipe scales this op rowwise (a
-            matmul) or tensorwise (a convolution).
-        gradients: per operand, whether it is a gradient (goes to e5m2).
+        float8_contracting: per operand, its contracted axes (a matmul's; a
+            convolution has none): what a rowwise scale is taken over.
+        gradients: per operand, whether it is a gradient (it takes the
+            recipe's gradient format and scales).
         reduce: the policy's reduce dtype: a cross-device sum runs in it.
 
     Returns:
@@ -369,7 +380,7 @@ def decide(
             float8,
             float8_dims,
             float8_align,
-            float8_rowwise,
+            float8_contracting,
             gradients,
             allow_out,
         )
@@ -438,12 +449,13 @@ def _float8_decision(
     recipe: f8.Float8Recipe,
     dims: tuple[tuple[str, int], ...] | None,
     align: tuple[tuple[str, int], ...],
-    rowwise: bool,
+    contracting: tuple[tuple[int, ...], ...],
     gradients: tuple[bool, ...],
     out: np.dtype | None,
 ) -> Decision:
     """``base`` (the lowered decision of an allow op) moved to float8, or kept
-    with the reason the recipe skips it."""
+    with the reason the recipe skips it. Each operand's format and scales are
+    the recipe's for its role (a gradient or not): read, never named here."""
     skip = f8.skip_reason(recipe, dims, align)
     if skip is not None:
         kind, text = skip
@@ -453,21 +465,33 @@ def _float8_decision(
             float8=recipe,
             float8_skip=(kind, text),
         )
-    formats = tuple(
-        f8.E5M2 if i < len(gradients) and gradients[i] else f8.E4M3 for i in range(2)
+    roles = tuple(i < len(gradients) and gradients[i] for i in range(2))
+    formats = tuple(recipe.format(gradient=g) for g in roles)
+    names = " x ".join(
+        _FORMAT_NAMES[f] + (" (gradient)" if g else "")
+        for f, g in zip(formats, roles, strict=True)
     )
-    names = " x ".join("e5m2 (gradient)" if f == f8.E5M2 else "e4m3" for f in formats)
-    scaling = "rowwise" if recipe.scaling == "rowwise" and rowwise else "tensorwise"
+    # What each operand's scales cover here (a convolution's operands, with no
+    # contracted axes, take one scale under every recipe).
+    scales = [
+        "tensorwise"
+        if recipe.scale_axes(contracting[i] if i < len(contracting) else (), gradient=g)
+        is None
+        else "rowwise"
+        for i, g in enumerate(roles)
+    ]
+    scaling = scales[0] if scales[0] == scales[1] else " / ".join(scales)
     result = out if out is not None else base.dtype
     return Decision(
         Precision.FLOAT8,
-        f8.E4M3,
+        recipe.format(),
         base.op_class,
         f"allow list: float8 ({scaling} current scaling), {names}, float32 "
         f"accumulation, result {result}",
         out_dtype=out,
         float8=recipe,
         operand_dtypes=formats,
+        float8_gradients=roles,
     )
 
 
@@ -775,9 +799,133 @@ def _float8_args(
         "float8": recipe,
         "float8_dims": dims.sizes,
         "float8_align": dims.align,
-        "float8_rowwise": product.rowwise,
+        "float8_contracting": dims.contracting,
         "gradients": tuple(bool(m & GRAD) for m in marks),
     }
+
+
+def _reduce_dtype(
+    reduce: np.dtype | None,
+    operands: Sequence[Any],
+    marks: Sequence[int],
+    out: np.dtype,
+    backward: bool,
+) -> tuple[np.dtype | None, bool]:
+    """The policy's gradient reduction dtype where it applies to a product,
+    and whether the product computes a gradient (then its GEMM writes its
+    result in it).
+
+    Under a partitioner the all-reduce (or reduce-scatter) of a gradient
+    lands on the GEMM that computes it, in the dtype that GEMM writes:
+
+    * a product of the backward pass whose result is a float32 gradient (a
+      train step under autocast: the weight gradient ``x^T g``);
+    * the backward products of a product that reads a float32 input of the
+      function (a parameter), when the loss under autocast is differentiated
+      outside: they write the parameter's gradient in it.
+    """
+    if (backward or any(m & GRAD for m in marks)) and np.dtype(out) == _F32:
+        return reduce, True
+    for x, m in zip(operands, marks, strict=True):
+        if m & INPUT and not m & CONST and float_dtype(x) == _F32:
+            return reduce, False
+    return None, False
+
+
+def product_request(
+    decision: Decision,
+    config: Any,
+    operands: Sequence[Any],
+    marks: Sequence[int],
+    *,
+    backward: bool,
+) -> ProductRequest | None:
+    """How a matmul-like equation decided ``decision`` runs: the one argument
+    of its formulation (:class:`~mixprec._src.autocast.request.ProductRequest`),
+    or ``None`` to run it through the default rule (decided float32 or as
+    written, a non-floating operand, a dtype wider than 16 bits).
+
+    Args:
+        decision: the equation's :class:`Decision`.
+        config: the transform's ``CastConfig`` (policy, platform, CPU
+            formulation, ``custom_vjp_dots``).
+        operands: the values the equation receives (its first two are the
+            product's operands).
+        marks: their marks (``INPUT``, ``CONST``, ``GRAD``).
+        backward: the equation belongs to a backward pass.
+
+    Examples:
+        >>> from mixprec._src.autocast.config import make_config
+        >>> cfg = make_config("mixed_bfloat16")
+        >>> d = Decision(Precision.LOW, _BF16, "allow", "allow list")
+        >>> x = np.ones((2, 2), np.float32)
+        >>> r = product_request(d, cfg, (x, x), (INPUT, 0), backward=False)
+        >>> r.low_dtype, r.out_dtype, r.live, r.reduce_dtype
+        (dtype(bfloat16), dtype(bfloat16), (True, False), dtype('float32'))
+    """
+    vals, pair = tuple(operands[:2]), tuple(marks[:2])
+    live = (bool(pair[0] & INPUT), bool(pair[1] & INPUT))
+    common: dict[str, Any] = dict(
+        live=live,
+        custom_vjp=bool(config.custom_vjp_dots),
+        platform=config.platform,
+        cpu_bf16=config.cpu_bf16,
+    )
+    if decision.precision is Precision.FLOAT8:
+        recipe, formats = decision.float8, decision.operand_dtypes
+        grads = decision.float8_gradients
+        if (
+            recipe is None
+            or formats is None
+            or grads is None
+            or len(formats) != 2
+            or len(grads) != 2
+        ):
+            raise ValueError(
+                f"`product_request(decision=...)`: a float8 decision needs its "
+                f"recipe, two operand formats and roles, got {decision!r}."
+            )
+        low = np.dtype(config.low_dtype)
+        return ProductRequest(
+            low_dtype=low,
+            out_dtype=np.dtype(decision.out_dtype or low),
+            recipe=recipe,
+            formats=(np.dtype(formats[0]), np.dtype(formats[1])),
+            gradients=(bool(grads[0]), bool(grads[1])),
+            **common,
+        )
+    low = decision.dtype
+    if (
+        decision.precision is not Precision.LOW
+        or low is None
+        or low.itemsize > 2
+        or any(float_dtype(x) is None for x in vals)
+    ):
+        return None
+    out = np.dtype(decision.out_dtype or low)
+    policy = config.policy
+    reduce, gradient = _reduce_dtype(policy.reduce_dtype, vals, pair, out, backward)
+    # A parameter is rounded once per walk for every product that reads it,
+    # unless the policy gathers it wider (each product rounds after the
+    # gather) or the custom_vjp formulation takes it in float32 (to return
+    # its gradient from the GEMM in float32).
+    shares = policy.gather_dtype is None and not config.custom_vjp_dots
+    shared = tuple(
+        shares
+        and bool(m & INPUT)
+        and not m & CONST
+        and (dt := float_dtype(x)) is not None
+        and dt.itemsize >= low.itemsize
+        for x, m in zip(vals, pair, strict=True)
+    )
+    return ProductRequest(
+        low_dtype=low,
+        out_dtype=out,
+        reduce_dtype=reduce,
+        gradient=gradient,
+        shared=(shared[0], shared[1]),
+        **common,
+    )
 
 
 def decide_eqn(

@@ -75,6 +75,7 @@ from jax.typing import ArrayLike, DTypeLike
 from mixprec._src import _compat
 from mixprec._src.autocast import capability
 from mixprec._src.autocast.platforms import canonical_platform, per_platform
+from mixprec._src.autocast.request import ProductRequest
 
 
 __all__ = [
@@ -1251,62 +1252,45 @@ def conv_dims(
 
 
 def dot_general_product(
-    lhs: jax.Array,
-    rhs: jax.Array,
-    params: dict[str, Any],
-    *,
-    extra: tuple[Any, ...] = (),
-    low_dtype: np.dtype,
-    out_dtype: np.dtype,
-    custom_vjp: bool,
-    platform: str | None,
-    cpu_bf16: str | None,
-    alive: tuple[bool, bool],
-    reduce_dtype: np.dtype | None = None,
-    gradient: bool = False,
+    request: ProductRequest, lhs: Any, rhs: Any, **params: Any
 ) -> jax.Array:
-    """A ``dot_general`` equation (``params``) run in 16 bits: the float32
-    product of :func:`wide_dot_general`."""
-    del extra
+    """A ``dot_general`` equation (``params``) run in 16 bits as ``request``
+    says: the float32 product of :func:`wide_dot_general`.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> req = ProductRequest(low_dtype=_BF16, out_dtype=_BF16, custom_vjp=True)
+      >>> dot_general_product(req, jnp.ones((2, 3)), jnp.ones((3, 4)),
+      ...                     dimension_numbers=(((1,), (0,)), ((), ()))).dtype
+      dtype('float32')
+    """
     return wide_dot_general(
         lhs,
         rhs,
         dimension_numbers=params["dimension_numbers"],
         precision=params.get("precision"),
-        low_dtype=low_dtype,
-        out_dtype=out_dtype,
-        forward_mode_ad=not custom_vjp,
+        low_dtype=request.low_dtype,
+        out_dtype=request.out_dtype,
+        forward_mode_ad=not request.custom_vjp,
         out_sharding=params.get("out_sharding"),
-        platform=platform,
-        cpu_bf16=cpu_bf16,
-        alive=alive,
-        reduce_dtype=reduce_dtype,
-        gradient=gradient,
+        platform=request.platform,
+        cpu_bf16=request.cpu_bf16,
+        alive=request.live,
+        reduce_dtype=request.reduce_dtype,
+        gradient=request.gradient,
     )
 
 
 def conv_product(
-    lhs: jax.Array,
-    rhs: jax.Array,
-    params: dict[str, Any],
-    *,
-    extra: tuple[Any, ...] = (),
-    low_dtype: np.dtype,
-    out_dtype: np.dtype,
-    custom_vjp: bool,
-    platform: str | None,
-    cpu_bf16: str | None,
-    alive: tuple[bool, bool],
-    reduce_dtype: np.dtype | None = None,
-    gradient: bool = False,
+    request: ProductRequest, lhs: Any, rhs: Any, **params: Any
 ) -> jax.Array:
     """A ``conv_general_dilated`` equation (``params``) run in 16 bits, in
     float32: accumulated in float32 on CPU, the 16-bit result widened elsewhere
-    (JAX's own derivative rules, in both modes)."""
-    del extra, out_dtype, custom_vjp, cpu_bf16, alive, reduce_dtype, gradient
+    (JAX's own derivative rules, in both modes). It reads the request's low
+    dtype and platform."""
     return conv_general_dilated(
-        _value(lhs), _value(rhs), low_dtype=low_dtype, out_dtype=_F32,
-        platform=platform, **params,
+        _value(lhs), _value(rhs), low_dtype=request.low_dtype, out_dtype=_F32,
+        platform=request.platform, **params,
     )  # fmt: skip
 
 
@@ -1342,30 +1326,17 @@ def ragged_dot_dims(
 
 
 def ragged_dot_product(
-    lhs: jax.Array,
-    rhs: jax.Array,
-    params: dict[str, Any],
-    *,
-    extra: tuple[Any, ...],
-    low_dtype: np.dtype,
-    out_dtype: np.dtype,
-    custom_vjp: bool,
-    platform: str | None,
-    cpu_bf16: str | None,
-    alive: tuple[bool, bool],
-    reduce_dtype: np.dtype | None = None,
-    gradient: bool = False,
+    request: ProductRequest, lhs: Any, rhs: Any, group_sizes: Any, **params: Any
 ) -> jax.Array:
     """A ``ragged_dot_general`` equation run in 16 bits, in float32: operands
-    rounded to ``low_dtype``, accumulated in float32 on CPU (XLA:CPU has no
-    16-bit grouped-matmul kernel), ``low x low -> low`` elsewhere (float32 when
-    the caller keeps a float32 result); JAX's derivative rules."""
-    del custom_vjp, cpu_bf16, alive, reduce_dtype, gradient
-    (group_sizes,) = extra
+    rounded to the request's low dtype, accumulated in float32 on CPU (XLA:CPU
+    has no 16-bit grouped-matmul kernel), ``low x low -> low`` elsewhere
+    (float32 when the caller keeps a float32 result); JAX's derivative rules."""
+    low_dtype = request.low_dtype
     kw = {k: v for k, v in params.items() if k != "preferred_element_type"}
     if kw.get("out_sharding") is None:
         kw.pop("out_sharding", None)
-    wide_out = np.dtype(out_dtype) == _F32
+    wide_out = request.out_dtype == _F32
 
     def run(preferred: Any, a: jax.Array, b: jax.Array, g: jax.Array) -> jax.Array:
         res = lax.ragged_dot_general(a, b, g, preferred_element_type=preferred, **kw)
@@ -1373,7 +1344,7 @@ def ragged_dot_product(
 
     return per_platform(
         (_value(lhs).astype(low_dtype), _value(rhs).astype(low_dtype), group_sizes),
-        platform=platform,
+        platform=request.platform,
         cpu=ft.partial(run, _F32),
         default=ft.partial(run, _F32 if wide_out else None),
     )

@@ -64,6 +64,7 @@ from jax.typing import ArrayLike, DTypeLike
 from mixprec._src import float8 as f8
 from mixprec._src.autocast import dots
 from mixprec._src.autocast.platforms import canonical_platform, per_platform
+from mixprec._src.autocast.request import ProductRequest
 
 
 __all__ = [
@@ -86,8 +87,9 @@ class _Plan(NamedTuple):
     """How one float8 product is computed (static: a custom derivative's
     non-differentiable argument)."""
 
-    formats: tuple[np.dtype, np.dtype]
-    rowwise: bool
+    recipe: f8.Float8Recipe  # formats and scales per role, read from here
+    formats: tuple[np.dtype, np.dtype]  # the forward operands' formats
+    gradients: tuple[bool, bool]  # forward operands that are gradients
     low: np.dtype  # the low dtype: residuals (rowwise, convs) and tangents
     precision: Any
     platform: str | None  # a pinned platform, or None: chosen at lowering
@@ -96,14 +98,27 @@ class _Plan(NamedTuple):
 
 def _plan(
     recipe: f8.Float8Recipe,
-    formats: Sequence[Any],
+    formats: Sequence[Any] | None,
+    gradients: Sequence[bool],
     low_dtype: DTypeLike,
     platform: str | None,
     precision: Any,
     *,
     explicit: bool = False,
-    conv: bool = False,
 ) -> _Plan:
+    if not isinstance(recipe, f8.Float8Recipe):
+        raise TypeError(
+            "`float8_dots(..., recipe=...)` must be a mixprec.Float8Recipe, got "
+            f"{recipe!r}."
+        )
+    grads = tuple(bool(g) for g in gradients)
+    if len(grads) != 2:
+        raise ValueError(
+            "`float8_dots(..., gradients=...)` must say for each of the two "
+            f"operands whether it is a gradient, got {gradients!r}."
+        )
+    if formats is None:
+        formats = tuple(recipe.format(gradient=g) for g in grads)
     fmts = tuple(np.dtype(f) for f in formats)
     for f in fmts:
         if f not in f8.FORMATS:
@@ -112,8 +127,9 @@ def _plan(
                 f"float8_e5m2, got {f}."
             )
     return _Plan(
+        recipe=recipe,
         formats=(fmts[0], fmts[1]),
-        rowwise=recipe.scaling == "rowwise" and not conv,
+        gradients=(grads[0], grads[1]),
         low=np.dtype(low_dtype),
         precision=precision,
         platform=canonical_platform(platform),
@@ -125,11 +141,13 @@ def _contracted(a_labels: Sequence[int], b_labels: Sequence[int], out: Sequence[
     return {lab for lab in a_labels if lab in b_labels and lab not in out}
 
 
-def _quantize(
-    x: jax.Array, labels: Sequence[int], contracted: set[int], fmt: Any, rowwise: bool
-) -> tuple[jax.Array, jax.Array]:
-    axes = [i for i, lab in enumerate(labels) if lab in contracted] if rowwise else None
-    return f8.quantize(x, fmt, axes)
+def _scale_axes(
+    plan: _Plan, labels: Sequence[int], contracted: set[int], gradient: bool
+) -> tuple[int, ...] | None:
+    """The axes one scale of an operand covers: the recipe's answer for the
+    operand's role and its contracted axes in this product."""
+    contracting = tuple(i for i, lab in enumerate(labels) if lab in contracted)
+    return plan.recipe.scale_axes(contracting, gradient=gradient)
 
 
 def _scale_into(
@@ -195,12 +213,17 @@ def _quantized(
     labels: Sequence[int],
     other: Sequence[int],
     out_labels: Sequence[int],
-    fmt: Any,
     plan: _Plan,
+    *,
+    gradient: bool,
+    fmt: Any = None,
 ) -> tuple[jax.Array, jax.Array]:
-    return _quantize(
-        x, labels, _contracted(labels, other, out_labels), fmt, plan.rowwise
-    )
+    """``x`` scaled into its format (``fmt``, or the recipe's for its role) with
+    the recipe's scales for its role, in a product with ``other``."""
+    axes = _scale_axes(plan, labels, _contracted(labels, other, out_labels), gradient)
+    if fmt is None:
+        fmt = plan.recipe.format(gradient=gradient)
+    return f8.quantize(x, fmt, axes)
 
 
 # ------------------------------------------------------------------ dot_general
@@ -213,9 +236,36 @@ def _dot_forward(
 ) -> tuple[jax.Array, tuple[Any, Any]]:
     """The float32 product, and the quantized operands."""
     a_l, b_l, o_l = dots._dot_labels(lhs.ndim, rhs.ndim, dn)
-    qa = _quantized(lhs, a_l, b_l, o_l, plan.formats[0], plan)
-    qb = _quantized(rhs, b_l, a_l, o_l, plan.formats[1], plan)
+    ga, gb = plan.gradients
+    qa = _quantized(lhs, a_l, b_l, o_l, plan, gradient=ga, fmt=plan.formats[0])
+    qb = _quantized(rhs, b_l, a_l, o_l, plan, gradient=gb, fmt=plan.formats[1])
     return _contract(qa, a_l, qb, b_l, o_l, plan, out_sharding), (qa, qb)
+
+
+def _reused(
+    plan: _Plan, dn: _DimNums, lhs_ndim: int, rhs_ndim: int
+) -> tuple[bool, bool]:
+    """Per operand, whether the backward products read its forward float8
+    value as it is: where the recipe gives it the same format and one scale
+    per tensor in both passes (a tensor scale does not depend on the
+    contraction). Otherwise it is kept in the low dtype and quantized again
+    for the backward products (rowwise: along their contraction, as torchao
+    does)."""
+    a_l, b_l, o_l = dots._dot_labels(lhs_ndim, rhs_ndim, dn)
+    residual = plan.recipe.format()
+
+    def same(labels, fwd_other, bwd_other, fmt, gradient):
+        return (
+            fmt == residual
+            and _scale_axes(plan, labels, _contracted(labels, fwd_other, o_l), gradient)
+            is None
+            and _scale_axes(plan, labels, _contracted(labels, o_l, bwd_other), False)
+            is None
+        )
+
+    ga, gb = plan.gradients
+    fa, fb = plan.formats
+    return same(a_l, b_l, b_l, fa, ga), same(b_l, a_l, a_l, fb, gb)
 
 
 @ft.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
@@ -234,26 +284,37 @@ def _dot_vjp(
 def _dot_vjp_fwd(lhs, rhs, dn, plan, lhs_dtype, rhs_dtype):
     del lhs_dtype, rhs_dtype
     out, (qa, qb) = _dot_forward(lhs, rhs, dn, plan)
-    if plan.rowwise:
-        # The backward products contract other dimensions: re-quantized there.
-        return out, (lhs.astype(plan.low), rhs.astype(plan.low))
-    return out, (qa, qb)
+    reuse_a, reuse_b = _reused(plan, dn, lhs.ndim, rhs.ndim)
+    return out, (
+        qa if reuse_a else lhs.astype(plan.low),
+        qb if reuse_b else rhs.astype(plan.low),
+    )
 
 
 def _dot_vjp_bwd(dn, plan, lhs_dtype, rhs_dtype, res, g):
+    # A residual is a (q, scale) pair where the forward value is reused, an
+    # array in the low dtype where it is quantized again (static structure).
     a, b = res
-    lhs_nd = a.ndim if plan.rowwise else a[0].ndim
-    rhs_nd = b.ndim if plan.rowwise else b[0].ndim
+    lhs_nd = a[0].ndim if isinstance(a, tuple) else a.ndim
+    rhs_nd = b[0].ndim if isinstance(b, tuple) else b.ndim
     a_l, b_l, o_l = dots._dot_labels(lhs_nd, rhs_nd, dn)
-    fa, fb = plan.formats
-    if plan.rowwise:
-        g_lhs = _quantized(g, o_l, b_l, a_l, f8.E5M2, plan)
-        g_rhs = _quantized(g, o_l, a_l, b_l, f8.E5M2, plan)
-        qb = _quantized(b, b_l, o_l, a_l, fb, plan)
-        qa = _quantized(a, a_l, o_l, b_l, fa, plan)
-    else:
-        g_lhs = g_rhs = f8.quantize(g, f8.E5M2)
-        qa, qb = a, b
+    # The cotangent in the recipe's gradient format, with its gradient scales
+    # along each backward contraction (one quantization where they agree).
+    axes_lhs = _scale_axes(plan, o_l, _contracted(o_l, b_l, a_l), True)
+    axes_rhs = _scale_axes(plan, o_l, _contracted(o_l, a_l, b_l), True)
+    g_fmt = plan.recipe.format(gradient=True)
+    g_lhs = f8.quantize(g, g_fmt, axes_lhs)
+    g_rhs = g_lhs if axes_rhs == axes_lhs else f8.quantize(g, g_fmt, axes_rhs)
+    qa = (
+        a
+        if isinstance(a, tuple)
+        else _quantized(a, a_l, o_l, b_l, plan, gradient=False)
+    )
+    qb = (
+        b
+        if isinstance(b, tuple)
+        else _quantized(b, b_l, o_l, a_l, plan, gradient=False)
+    )
     d_lhs = _contract(g_lhs, o_l, qb, b_l, a_l, plan)
     d_rhs = _contract(g_rhs, o_l, qa, a_l, b_l, plan)
     return d_lhs.astype(lhs_dtype), d_rhs.astype(rhs_dtype)
@@ -307,7 +368,8 @@ def dot_general(
     dimension_numbers: Any,
     precision: Any = None,
     recipe: f8.Float8Recipe,
-    formats: Sequence[DTypeLike] = (f8.E4M3, f8.E4M3),
+    formats: Sequence[DTypeLike] | None = None,
+    gradients: Sequence[bool] = (False, False),
     low_dtype: DTypeLike,
     out_dtype: DTypeLike,
     custom_vjp: bool = True,
@@ -322,12 +384,18 @@ def dot_general(
         rhs: right operand (any floating dtype).
         dimension_numbers: as for ``jax.lax.dot_general``.
         precision: as for ``jax.lax.dot_general``.
-        recipe: the :class:`~mixprec.Float8Recipe` (its scaling).
-        formats: the float8 format of each operand.
-        low_dtype: the 16-bit dtype of residuals (rowwise) and tangents.
+        recipe: the :class:`~mixprec.Float8Recipe`: each operand's format and
+            what its scales cover, per role (gradient or not), in this
+            product and in the backward products.
+        formats: the float8 format of each operand; ``None`` (default): the
+            recipe's for its role.
+        gradients: per operand, whether it is a gradient (it takes the
+            recipe's gradient format and scales).
+        low_dtype: the 16-bit dtype of re-quantized residuals and tangents.
         out_dtype: the dtype of the result.
-        custom_vjp: a ``jax.custom_vjp`` with e5m2 cotangents (for reverse-mode
-            AD) rather than a straight-through ``jax.custom_jvp``.
+        custom_vjp: a ``jax.custom_vjp`` whose cotangent takes the recipe's
+            gradient format (for reverse-mode AD) rather than a
+            straight-through ``jax.custom_jvp``.
         out_sharding: passed to the dot when it constrains the result's
             sharding (the product is then not written in the CPU canonical
             layout).
@@ -352,7 +420,9 @@ def dot_general(
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     dn = dots._canon_dn(dimension_numbers)
     explicit = dots.explicitly_sharded(out_sharding, lhs, rhs)
-    plan = _plan(recipe, formats, low_dtype, platform, precision, explicit=explicit)
+    plan = _plan(
+        recipe, formats, gradients, low_dtype, platform, precision, explicit=explicit
+    )
     res: jax.Array = _product(lhs, rhs, dn, plan, custom_vjp, out_sharding)
     return res if wide else res.astype(out_dtype)
 
@@ -367,12 +437,21 @@ def _conv(a: jax.Array, b: jax.Array, params: tuple, preferred: Any) -> jax.Arra
     return lax.conv_general_dilated_p.bind(a, b, **kw)
 
 
+def _conv_quantize(
+    x: jax.Array, fmt: Any, plan: _Plan, gradient: bool
+) -> tuple[jax.Array, jax.Array]:
+    """A convolution's operand scaled into ``fmt``: its operands have no
+    contracted axes of their own, so the recipe's scales cover the tensor."""
+    return f8.quantize(x, fmt, plan.recipe.scale_axes((), gradient=gradient))
+
+
 def _cpu_conv_forward(lhs, rhs, params, plan):
     """float8 on CPU: the float8 values as bfloat16, float32 accumulation, the
     scales applied one at a time."""
+    ga, gb = plan.gradients
     (qa, sa), (qb, sb) = (
-        f8.quantize(lhs, plan.formats[0]),
-        f8.quantize(rhs, plan.formats[1]),
+        _conv_quantize(lhs, plan.formats[0], plan, ga),
+        _conv_quantize(rhs, plan.formats[1], plan, gb),
     )
     out = _conv(qa.astype(_BF16), qb.astype(_BF16), params, _F32)
     return out * sa.reshape(()) * sb.reshape(())
@@ -406,12 +485,14 @@ def _conv_vjp_fwd(lhs, rhs, params, plan, lhs_dtype, rhs_dtype):
 
 def _cpu_conv_backward(params, plan, g, a, b):
     # The operands quantized again (the same float8 values as the forward
-    # pass), the cotangent to e5m2; JAX's transposes of the convolution.
+    # pass), the cotangent to the recipe's gradient format; JAX's transposes
+    # of the convolution.
+    ga, gb = plan.gradients
     (qa, sa), (qb, sb) = (
-        f8.quantize(a, plan.formats[0]),
-        f8.quantize(b, plan.formats[1]),
+        _conv_quantize(a, plan.formats[0], plan, ga),
+        _conv_quantize(b, plan.formats[1], plan, gb),
     )
-    qg, sg = f8.quantize(g, f8.E5M2)
+    qg, sg = _conv_quantize(g, plan.recipe.format(gradient=True), plan, True)
     x, y = qa.astype(_BF16), qb.astype(_BF16)
     out, vjp = jax.vjp(lambda x, y: _conv(x, y, params, _F32), x, y)
     d_lhs, d_rhs = vjp(qg.astype(out.dtype))
@@ -467,7 +548,8 @@ def conv_general_dilated(
     rhs: ArrayLike,
     *,
     recipe: f8.Float8Recipe,
-    formats: Sequence[DTypeLike] = (f8.E4M3, f8.E4M3),
+    formats: Sequence[DTypeLike] | None = None,
+    gradients: Sequence[bool] = (False, False),
     low_dtype: DTypeLike,
     out_dtype: DTypeLike,
     custom_vjp: bool = True,
@@ -500,7 +582,7 @@ def conv_general_dilated(
     """
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     plan = _plan(
-        recipe, formats, low_dtype, platform, conv_params.get("precision"), conv=True
+        recipe, formats, gradients, low_dtype, platform, conv_params.get("precision")
     )
     params = tuple(sorted(conv_params.items()))
     res: jax.Array
@@ -515,61 +597,57 @@ def conv_general_dilated(
 
 
 def dot_general_product(
-    lhs: jax.Array,
-    rhs: jax.Array,
-    params: dict[str, Any],
-    *,
-    extra: tuple[Any, ...] = (),
-    recipe: f8.Float8Recipe,
-    formats: Sequence[Any],
-    low_dtype: np.dtype,
-    custom_vjp: bool,
-    platform: str | None,
+    request: ProductRequest, lhs: Any, rhs: Any, **params: Any
 ) -> jax.Array:
-    """A ``dot_general`` equation (``params``) run in float8: its float32
-    product (:func:`dot_general` with ``wide=True``)."""
-    del extra
+    """A ``dot_general`` equation (``params``) run in float8 as ``request``
+    says (its recipe, each operand's format and role): its float32 product
+    (:func:`dot_general` with ``wide=True``).
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from mixprec._src.float8 import E4M3, Float8Recipe
+        >>> req = ProductRequest(low_dtype=np.dtype(jnp.bfloat16),
+        ...     out_dtype=np.dtype(jnp.bfloat16), recipe=Float8Recipe("rowwise"),
+        ...     formats=(E4M3, E4M3))
+        >>> dot_general_product(req, jnp.ones((16, 32)), jnp.ones((32, 16)),
+        ...                     dimension_numbers=(((1,), (0,)), ((), ()))).dtype
+        dtype('float32')
+    """
     return dot_general(
         lhs,
         rhs,
         dimension_numbers=params["dimension_numbers"],
         precision=params.get("precision"),
-        recipe=recipe,
-        formats=formats,
-        low_dtype=low_dtype,
-        out_dtype=np.float32,
-        custom_vjp=custom_vjp,
+        **_float8_args(request),
         out_sharding=params.get("out_sharding"),
-        platform=platform,
         wide=True,
     )
 
 
 def conv_product(
-    lhs: jax.Array,
-    rhs: jax.Array,
-    params: dict[str, Any],
-    *,
-    extra: tuple[Any, ...] = (),
-    recipe: f8.Float8Recipe,
-    formats: Sequence[Any],
-    low_dtype: np.dtype,
-    custom_vjp: bool,
-    platform: str | None,
+    request: ProductRequest, lhs: Any, rhs: Any, **params: Any
 ) -> jax.Array:
-    """A ``conv_general_dilated`` equation (``params``) run in float8 (on CPU;
-    see the module docstring), in float32."""
-    del extra
-    return conv_general_dilated(
-        lhs,
-        rhs,
-        recipe=recipe,
-        formats=formats,
-        low_dtype=low_dtype,
+    """A ``conv_general_dilated`` equation (``params``) run in float8 as
+    ``request`` says (on CPU; see the module docstring), in float32."""
+    return conv_general_dilated(lhs, rhs, **_float8_args(request), **params)
+
+
+def _float8_args(request: ProductRequest) -> dict[str, Any]:
+    """What :func:`dot_general` and :func:`conv_general_dilated` read of a
+    request (the result in float32: the product rule rounds it)."""
+    if request.recipe is None:
+        raise ValueError(
+            "`float8_dots.dot_general_product(request, ...)` needs a request with "
+            f"a float8 recipe, got {request!r}."
+        )
+    return dict(
+        recipe=request.recipe,
+        formats=request.formats,
+        gradients=request.gradients,
+        low_dtype=request.low_dtype,
         out_dtype=np.float32,
-        custom_vjp=custom_vjp,
-        platform=platform,
-        **params,
+        custom_vjp=request.custom_vjp,
+        platform=request.platform,
     )
 
 

@@ -158,16 +158,18 @@ class Product:
     Attributes:
         dims: ``dims(in_shapes, out_shape, params) -> dots.ProductDims``: its
             sizes for float8's skip rules, alignment advice, FLOPs and the
-            axes rowwise scales are taken over.
-        low: its 16-bit formulation, ``low(lhs, rhs, params, *, extra,
-            low_dtype, out_dtype, custom_vjp, platform, cpu_bf16, alive)``,
-            returning the product in float32 (the caller rounds it); ``extra``
-            holds the operands after the first two (a ragged dot's group
-            sizes).
-        float8: its float8 formulation, ``float8(lhs, rhs, params, *, extra,
-            recipe, formats, low_dtype, custom_vjp, platform)``, in float32;
+            contracted axes a rowwise float8 scale is taken over (none: one
+            scale per operand).
+        low: its 16-bit formulation, ``low(request, lhs, rhs, *extra,
+            **params)``: the equation's operands (``extra``: those after the
+            first two, a ragged dot's group sizes) and params, and one
+            :class:`~mixprec._src.autocast.request.ProductRequest` that
+            ``decide.py`` filled in (dtypes, platform, CPU formulation, live
+            operands); it returns the product in float32 (the caller rounds
+            it).
+        float8: its float8 formulation, called the same way (the request
+            carries the recipe and each operand's format), in float32;
             ``None``: it stays in 16 bits under a float8 policy.
-        rowwise: a rowwise float8 recipe scales it rowwise (else tensorwise).
         epilogue: a bias add right after it runs on its float32 product.
         note: ``note(low_dtype, *, platform, cpu_bf16) -> str``: one sentence
             for reports on how each platform runs it in ``low_dtype``.
@@ -185,7 +187,6 @@ class Product:
     dims: Callable[..., Any]
     low: Callable[..., Any]
     float8: Callable[..., Any] | None = None
-    rowwise: bool = True
     epilogue: bool = True
     note: Callable[..., str] | None = None
     float8_note: Callable[..., str] | None = None
@@ -477,7 +478,6 @@ def_allow(
         dims=dots.conv_dims,
         low=dots.conv_product,
         float8=float8_dots.conv_product,
-        rowwise=False,
         epilogue=False,
         note=dots.conv_note,
         float8_note=float8_dots.conv_float8_note,

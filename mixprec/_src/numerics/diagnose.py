@@ -809,13 +809,18 @@ def _count_float8(eqn: Any, decision: Any, inmix: Sequence[Any]) -> dict[str, in
     the scales the recipe takes (over the contraction for rowwise dots)."""
     counts = {"saturated": 0, "flushed": 0, "quantized": 0}
     formats = decision.operand_dtypes or ()
+    gradients = decision.float8_gradients or (False,) * len(formats)
     recipe = decision.float8
     dims = product_dims(eqn)
     contract = dims.contracting if dims is not None else ((), ())
     for i, (x, fmt) in enumerate(zip(inmix, formats, strict=False)):
         if fmt is None or not _is_float(x):
             continue
-        axes = recipe.scale_axes(contract[i]) if recipe is not None else None
+        axes = (
+            recipe.scale_axes(contract[i], gradient=gradients[i])
+            if recipe is not None
+            else None
+        )
         saturated, flushed, n = f8.quantization_counts(x, fmt, axes)
         counts["saturated"] += saturated
         counts["flushed"] += flushed
