@@ -29,6 +29,7 @@ from jax.sharding import AxisType, PartitionSpec
 import mixprec
 from mixprec._src import _compat
 from mixprec._src.autocast import attention, interpreter
+from mixprec._src.autocast.rules import attention as attention_rule
 
 
 POLICIES = {"mixed_bfloat16": jnp.bfloat16, "mixed_float16": jnp.float16}
@@ -227,7 +228,7 @@ def test_float16_fully_masked_rows_with_very_negative_scores(recognised, monkeyp
 
 def _pin_cuda_attention(monkeypatch):
     monkeypatch.setattr(
-        interpreter,
+        attention_rule,
         "per_platform",
         lambda args, *, platform, default, **overrides: overrides["cuda"](*args),
     )
@@ -249,12 +250,12 @@ def _qkv(h=64):
 def test_fused_cuda_formulation_saturates_the_bias(policy, monkeypatch):
     # The cuda formulation pinned, JAX's XLA implementation standing in for
     # cuDNN on this CPU: the float32 bias reaches the kernel in 16 bits.
-    monkeypatch.setattr(attention, "_IMPLEMENTATION", "xla")
+    monkeypatch.setattr(attention_rule, "_IMPLEMENTATION", "xla")
     _pin_cuda_attention(monkeypatch)
     calls = []
-    real = attention.fused
+    real = attention_rule.fused
     monkeypatch.setattr(
-        attention, "fused", lambda *a, **k: calls.append(1) or real(*a, **k)
+        attention_rule, "fused", lambda *a, **k: calls.append(1) or real(*a, **k)
     )
     q, k, v = _qkv()
     valid = batch()[2]
