@@ -20,7 +20,7 @@ Examples:
     >>> x = jnp.ones((2, 16, 4, 64))
     >>> closed = jax.make_jaxpr(attn)(x, x, x)
     >>> [e.primitive.name for e in rewrite(closed.jaxpr, closed.consts).eqns]
-    ['dot_product_attention']
+    ['dot_product_attention', 'transpose']
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from mixprec._src import _compat
 from mixprec._src.autocast import interpreter as itp, ops
-from mixprec._src.autocast.avals import float_dtype
+from mixprec._src.autocast.avals import aval_dtype, float_dtype
 from mixprec._src.autocast.interpreter import CastContext, Walk
 
 
@@ -149,7 +149,7 @@ def default_higher_order_rule(ctx: CastContext, *invals: Any, **params: Any) -> 
     """
     eqn = ctx.eqn
     args = [
-        itp.cast(x, itp.aval_dtype(v)) if float_dtype(x) is not None else x
+        itp.cast(x, aval_dtype(v)) if float_dtype(x) is not None else x
         for x, v in zip(invals, eqn.invars, strict=True)
     ]
     fn = _type_preserving(ctx.walk, eqn.primitive.name)

@@ -1,0 +1,269 @@
+"""Casting an equation's operands and results as its decision says.
+
+What every rule shares to carry out a
+:class:`~mixprec._src.autocast.decide.Decision`: :func:`cast` (one value,
+optionally saturating to the target's finite range), :func:`cast_operands`
+(an equation's floating operands: constants of fill ops and values made from
+a constant beyond the low range saturate, broadcast operands are broadcast
+first so their gradient is summed wide), :func:`default_rule` (cast, bind,
+round), :func:`run_own` (the float32 ops autocast adds to a program by
+itself, reported to the observer) and :func:`ran_with` (the dtypes an
+equation's operands ran in, for reports).
+
+Examples:
+    >>> import numpy as np
+    >>> float(cast(np.float32(1e6), np.float16, saturate=True))  # not inf
+    65504.0
+"""
+
+from __future__ import annotations
+
+import functools as ft
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend.core import ClosedJaxpr, JaxprEqn, Literal
+
+from mixprec._src.autocast import jaxprs, ops
+from mixprec._src.autocast.avals import aval_dtype, aval_shape, float_dtype, same_shape
+from mixprec._src.autocast.decide import BIG, CONST, Decision, Precision
+
+
+if TYPE_CHECKING:
+    from mixprec._src.autocast.interpreter import CastContext, Walk
+
+
+__all__ = [
+    "bind",
+    "cast",
+    "cast_operands",
+    "clip_to_range",
+    "default_rule",
+    "ran_with",
+    "run_own",
+]
+
+_F32 = np.dtype(np.float32)
+
+
+def clip_to_range(x: Any, dtype: Any) -> Any:
+    """``x`` (same dtype) with finite values clipped to ``dtype``'s finite range;
+    infinities and NaNs are kept."""
+    big = float(jnp.finfo(dtype).max)
+    if isinstance(x, np.ndarray | np.generic | float):
+        arr = np.asarray(x)
+        return np.where(np.isfinite(arr), np.clip(arr, -big, big), arr).astype(
+            arr.dtype
+        )
+    return jnp.where(jnp.isinf(x), x, jnp.clip(x, -big, big))
+
+
+def cast(x: Any, dtype: Any, *, saturate: bool = False) -> Any:
+    """Casts one floating value to ``dtype`` (no-op if it already has it).
+
+    NumPy values (the values of jaxpr ``Literal`` s) stay NumPy, so that they are
+    staged out as literals rather than as a ``convert_element_type``. With
+    ``saturate``, finite values beyond ``dtype``'s range become its largest
+    finite value instead of ``inf``.
+    """
+    dtype = np.dtype(dtype)
+    dt = float_dtype(x)
+    if dt is None or dt == dtype:
+        return x
+    if saturate and dtype.itemsize < dt.itemsize:
+        x = clip_to_range(x, dtype)
+    if isinstance(x, np.ndarray | np.generic | float):
+        return np.asarray(x, dtype=dtype)
+    return lax.convert_element_type(x, dtype)
+
+
+def cast_operands(ctx: CastContext, invals: Sequence[Any]) -> list[Any]:
+    """Casts the floating operands of ``ctx.eqn`` as ``ctx.decision`` says.
+
+    ``ORIGINAL`` casts them back to the dtypes they were traced with; a
+    decision dtype casts them to it. Casting down, a constant of a fill op
+    (:data:`~mixprec._src.autocast.ops.FILL`: ``where``, ``max``...) and a
+    value made from a constant beyond the low range
+    (:data:`~mixprec._src.autocast.decide.BIG`: a mask bias) saturate, any
+    other constant is cast as it is (beyond the low range: inf, visible), and
+    an operand of an elementwise op that is broadcast into the result is
+    broadcast first, so that the transpose (its gradient) sums in the wider
+    dtype.
+    """
+    d = ctx.decision
+    eqn = ctx.eqn
+    if d.precision is Precision.ORIGINAL:
+        return [
+            cast(x, aval_dtype(v)) if float_dtype(x) is not None else x
+            for x, v in zip(invals, eqn.invars, strict=True)
+        ]
+    if d.dtype is None:
+        return list(invals)
+    # A rule that does not know float8 runs a float8 decision in the low dtype.
+    target = ctx.config.low_dtype if d.precision is Precision.FLOAT8 else d.dtype
+    out_shape = aval_shape(eqn.outvars[0]) if eqn.outvars else ()
+    spec = ops.spec_for(eqn.primitive.name)
+    elementwise = spec is not None and ops.BROADCASTS in spec.flags
+    fill = spec is not None and ops.FILL in spec.flags
+    out = []
+    for x, v, m in zip(invals, eqn.invars, ctx.marks, strict=True):
+        dt = float_dtype(x)
+        if dt is None or dt == target:
+            out.append(x)
+            continue
+        narrowing = target.itemsize < dt.itemsize
+        if narrowing and (m & CONST and fill or m & BIG):
+            # A fill or a bound (`finfo(float32).min` in a `where`), or a mask
+            # bias made from one: saturate it; cast it where it is (a mask
+            # bias has no gradient).
+            x = _saturate_constant(ctx.walk, eqn, v, x, target)
+        elif narrowing and m & CONST:
+            pass  # cast where it is: beyond the low range it becomes inf
+        elif narrowing and elementwise and not same_shape(aval_shape(v), out_shape):
+            # Broadcast first: the transpose then sums the gradient in `dt`.
+            x = _broadcast_to(x, out_shape)
+        out.append(cast(x, target))
+    return out
+
+
+def _saturate_constant(
+    walk: Walk, eqn: JaxprEqn, var: Any, x: Any, dtype: np.dtype
+) -> Any:
+    """A constant (or a value made from one, ``BIG``) about to be cast to
+    ``dtype`` with its finite values clipped to ``dtype``'s range
+    (``finfo(float32).min`` must not become ``-inf``)."""
+    if isinstance(var, Literal) or isinstance(x, np.ndarray | np.generic | float):
+        return clip_to_range(x, dtype)  # clipped in NumPy: no op in the program
+    big = float(jnp.finfo(dtype).max)
+    known = walk.facts.scalars.get(var)
+    if known is not None:
+        value = float(known)
+        if not np.isfinite(value) or abs(value) <= big:
+            return x
+        return lax.full(np.shape(x), np.copysign(big, value), x.dtype)
+    fits = walk.facts.ranges.get(var)
+    if fits is not None and fits[0] <= big:
+        return x  # every finite value fits: the cast keeps it
+    # A value unknown while walking (too large to fold, or made where it is
+    # not known): clamp it in the program, and tell the report.
+    reason = (
+        f"autocast's own: saturates a constant (or a mask bias made from one) to "
+        f"{dtype}'s finite range before casting it down (finfo(float32).min must "
+        "not become -inf)"
+    )
+    own = _saturation(tuple(np.shape(x)), np.dtype(x.dtype), big)
+    return run_own(walk, eqn, own, x, reason=reason)
+
+
+@ft.lru_cache(maxsize=256)
+def _saturation(shape: tuple[int, ...], dtype: np.dtype, big: float) -> ClosedJaxpr:
+    def saturate(x: Any) -> Any:
+        clipped = lax.clamp(np.asarray(-big, dtype), x, np.asarray(big, dtype))
+        return lax.select(lax.is_finite(x), clipped, x)
+
+    return jax.make_jaxpr(saturate)(jax.ShapeDtypeStruct(shape, dtype))
+
+
+# The equations `run_own` reports, at the line of the equation they serve, by
+# (that equation, own equation): one report site per pair, however often a
+# loop body is walked.
+_shown: dict[tuple[int, int], tuple[JaxprEqn, JaxprEqn]] = {}
+
+
+def _shown_eqn(user: JaxprEqn, eqn: JaxprEqn) -> JaxprEqn:
+    key = (id(user), id(eqn))
+    hit = _shown.get(key)
+    if hit is None or hit[0] is not user:
+        if len(_shown) > 4096:
+            _shown.clear()
+        hit = (user, eqn.replace(source_info=user.source_info))
+        _shown[key] = hit
+    return hit[1]
+
+
+def run_own(
+    walk: Walk, user: JaxprEqn, own: ClosedJaxpr, x: Any, *, reason: str
+) -> Any:
+    """Runs ``own`` (one input, one output) on ``x``: float32 ops autocast adds
+    to the program by itself for the equation ``user``. Each is reported to
+    the observer (``explain`` records it, with ``reason``, at ``user``'s
+    line), so that the report lists every op the program runs."""
+    env: dict[Any, Any] = {own.jaxpr.invars[0]: x}
+    for eqn in own.jaxpr.eqns:
+        invals = [jaxprs.read(env, v) for v in eqn.invars]
+        outs = jaxprs.bind_as_written(eqn, invals)
+        env.update(zip(eqn.outvars, outs, strict=True))
+        if walk.observer is None:
+            continue
+        spec = ops.spec_for(eqn.primitive.name)
+        op_class = spec.op_class if spec is not None else None
+        decision = Decision(Precision.FLOAT32, _F32, op_class, reason)
+        ran = [
+            np.dtype(getattr(v, "dtype", None) or np.asarray(v).dtype) for v in invals
+        ]
+        walk.observer.on_own(walk, _shown_eqn(user, eqn), decision, ran, invals, outs)
+    [out] = [jaxprs.read(env, v) for v in own.jaxpr.outvars]
+    return out
+
+
+def _broadcast_to(x: Any, shape: Sequence[Any]) -> Any:
+    """``x`` broadcast to ``shape`` as an elementwise op would (scalars and
+    size-1 dimensions)."""
+    xs = np.shape(x)
+    if len(xs) == 0:
+        return lax.broadcast_in_dim(x, tuple(shape), ())
+    if len(xs) == len(shape):
+        return lax.broadcast_in_dim(x, tuple(shape), tuple(range(len(shape))))
+    return x
+
+
+def ran_with(decision: Decision, eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
+    """The dtypes the operands of ``eqn`` run in under ``decision``."""
+    out = []
+    formats = decision.operand_dtypes or ()
+    for i, (x, v) in enumerate(zip(invals, eqn.invars, strict=True)):
+        dt = float_dtype(x)
+        if dt is None:
+            out.append(getattr(x, "dtype", None) or np.asarray(x).dtype)
+        elif i < len(formats):
+            out.append(formats[i])
+        elif decision.precision is Precision.ORIGINAL:
+            out.append(np.dtype(aval_dtype(v)))
+        elif decision.dtype is not None:
+            out.append(decision.dtype)
+        else:
+            out.append(dt)
+    return out
+
+
+def bind(prim: Any, invals: Sequence[Any], params: dict[str, Any]) -> Any:
+    """``prim.bind(*invals, **params)`` with dtype-valued params canonicalised."""
+    return prim.bind(*invals, **_canonical_params(params))
+
+
+def _canonical_params(params: dict[str, Any]) -> dict[str, Any]:
+    out = dict(params)
+    for k in ("new_dtype", "preferred_element_type", "dtype"):
+        v = out.get(k)
+        if v is not None:
+            try:
+                out[k] = jnp.dtype(v)
+            except TypeError:
+                pass
+    return out
+
+
+def default_rule(prim: Any, ctx: CastContext, *invals: Any, **params: Any) -> Any:
+    """The rule for ops without their own: cast the operands as decided, bind
+    the primitive, and round the result if the decision says so."""
+    out = bind(prim, cast_operands(ctx, invals), params)
+    out_dtype = ctx.decision.out_dtype
+    if out_dtype is None:
+        return out
+    if prim.multiple_results:
+        return [cast(o, out_dtype) for o in out]
+    return cast(out, out_dtype)
