@@ -268,6 +268,16 @@ def test_fused_cuda_formulation_saturates_the_bias(policy, monkeypatch):
     err = np.max(np.abs(got - want)) / np.max(np.abs(want))
     assert err <= (1e-2 if policy == "mixed_bfloat16" else 2e-3), err
 
+    # Its backward pass (the kernel's own), in a differentiated loss.
+    def loss(fn, q, k, v, valid):
+        return jnp.sum(fn(q, k, v, valid).astype(jnp.float32) * v)
+
+    f = mixprec.autocast(lambda *a: _attend_bias(*a), policy)
+    g = jax.jit(jax.grad(ft.partial(loss, f), argnums=(0, 1, 2)))(q, k, v, valid)
+    g32 = jax.grad(ft.partial(loss, _attend_bias), argnums=(0, 1, 2))(q, k, v, valid)
+    assert all(bool(jnp.all(jnp.isfinite(x))) for x in g)
+    assert_trees_close(g, g32, dtype=POLICIES[policy], grad=True)
+
 
 def _cuda_text(fn, *args):
     calls = ("__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaScaleBiasSoftmaxBackward")

@@ -560,6 +560,11 @@ def out_marks(
     return [const | follows | grad] * n
 
 
+@ft.lru_cache(maxsize=16)
+def _largest(dtype: np.dtype) -> float:
+    return float(jnp.finfo(dtype).max)
+
+
 def _big(
     spec: ops.OpSpec | None, eqn: JaxprEqn, marks: Sequence[int], region: Region
 ) -> int:
@@ -567,14 +572,16 @@ def _big(
     low dtype's range or from a ``BIG`` value, moving or combining it with an
     op that keeps its magnitude (:data:`~mixprec._src.autocast.ops.KEEPS_MAGNITUDE`,
     or a clear op); else 0."""
-    if spec is None or not eqn.outvars or float_dtype(eqn.outvars[0].aval) is None:
+    if spec is None or not any(m & (BIG | CONST) for m in marks):
         return 0
     if ops.KEEPS_MAGNITUDE not in spec.flags and spec.op_class != "clear":
+        return 0
+    if not eqn.outvars or float_dtype(eqn.outvars[0].aval) is None:
         return 0
     low = np.dtype(region.config.low_dtype)
     if low.itemsize >= 4:
         return 0
-    largest = float(jnp.finfo(low).max)
+    largest = _largest(low)
     for v, m in zip(eqn.invars, marks, strict=True):
         if m & BIG:
             return BIG
@@ -652,19 +659,25 @@ def _misfit_constant(
     region: Region,
     eqn: JaxprEqn,
     flags: frozenset[str],
+    invals: Sequence[Any],
     marks: Sequence[int],
     target: np.dtype,
 ) -> str | None:
     """Why a constant operand of ``eqn``, or a value made from one (``BIG``),
     cannot be cast to ``target`` (``None`` if each can, or ``eqn`` is a fill
-    op, whose constants saturate)."""
+    op, whose constants saturate). A ``BIG`` value that arrives in a dtype no
+    wider than ``target`` (a fill's result, saturated already) is cast as
+    usual."""
     if ops.FILL in flags:
         return None
-    for v, m in zip(eqn.invars, marks, strict=True):
+    for v, x, m in zip(eqn.invars, invals, marks, strict=True):
         dtype = float_dtype(v.aval)
         if dtype is None or dtype.itemsize <= target.itemsize:
             continue
         if m & BIG:
+            received = float_dtype(x)
+            if received is None or received.itemsize <= target.itemsize:
+                continue
             return (
                 f"an operand is made from a constant beyond {target}'s range (a "
                 "mask bias such as select(mask, 0, finfo(float32).min) or "
@@ -1000,7 +1013,7 @@ def decide_eqn(
         and d.dtype.itemsize < 4
     ):
         op_flags = spec.flags if spec is not None else frozenset()
-        why = _misfit_constant(region, eqn, op_flags, marks, d.dtype)
+        why = _misfit_constant(region, eqn, op_flags, invals, marks, d.dtype)
         if why is not None:
             d = Decision(
                 Precision.FLOAT32,
