@@ -482,3 +482,31 @@ def test_a_sharded_constant_operand_of_shard_map_is_known_by_its_range(policy):
     got = jax.jit(mixprec.autocast(f, policy))(x)
     assert bool(jnp.all(jnp.isfinite(got))), got
     assert_trees_close(got.astype(jnp.float32), want, dtype=POLICIES[policy])
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_mask_bias_stacked_per_layer_in_scan_xs(policy):
+    # One bias per layer, stacked and scanned over (as scan-over-layers code
+    # passes per-layer inputs): a slice of a mask bias is a mask bias, so the
+    # add keeps float32 and a fully masked row stays finite.
+    valid = batch()[2]
+    ks = jax.random.split(jax.random.key(7), 3)
+    q, k, v = (jax.random.normal(kk, (B, HEADS, T, D)) for kk in ks)
+
+    def fn(q, k, v, valid):
+        bias = hf_bias(valid, "select_finfo_min")  # [B, 1, T, T]
+        stacked = jnp.stack([bias, bias])  # [layers, B, 1, T, T]
+
+        def layer(h, b):
+            s = jnp.einsum("bhtd,bhsd->bhts", h, k) / np.float32(np.sqrt(D))
+            w = jax.nn.softmax(s + b, axis=-1)
+            return jnp.einsum("bhts,bhsd->bhtd", w, v), None
+
+        return lax.scan(layer, q, stacked)[0]
+
+    want = fn(q, k, v, valid)
+    assert bool(jnp.all(jnp.isfinite(want)))
+    got = jax.jit(mixprec.autocast(fn, policy))(q, k, v, valid)
+    assert got.dtype == jnp.float32
+    assert bool(jnp.all(jnp.isfinite(got)))
+    assert_trees_close(got, want, dtype=POLICIES[policy])

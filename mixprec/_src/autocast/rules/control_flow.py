@@ -38,6 +38,7 @@ from mixprec._src import _compat
 from mixprec._src.autocast import interpreter as itp, ops
 from mixprec._src.autocast.avals import float_dtype
 from mixprec._src.autocast.decide import (
+    BIG,
     CONST,
     GRAD,
     STAT,
@@ -96,10 +97,10 @@ def split(vals: Sequence[Any], *sizes: int) -> list[list[Any]]:
 def scan_body_marks(marks: Sequence[int], num_consts: int, num_carry: int) -> list[int]:
     """The marks a scan body starts with: constants keep theirs; a carry or a
     slice that enters as a gradient stays one (float8's e5m2); a slice of a
-    constant is a constant, and a slice of a statistic a statistic (a mean or a
+    constant is a constant, a slice of a statistic a statistic (a mean or a
     variance passed as ``xs`` anchors the body's norm in float32, as it does
-    outside the loop). A carry keeps no role but a gradient's: the body may
-    make it anything.
+    outside the loop), and a slice of a mask bias a mask bias (``BIG``). A
+    carry keeps no role but a gradient's: the body may make it anything.
 
     Examples:
         >>> from mixprec._src.autocast.decide import STAT
@@ -110,7 +111,7 @@ def scan_body_marks(marks: Sequence[int], num_consts: int, num_carry: int) -> li
     return [
         *marks[:nc],
         *(m & GRAD for m in marks[nc : nc + ncar]),
-        *(m & (CONST | GRAD | STAT) for m in marks[nc + ncar :]),
+        *(m & (CONST | GRAD | STAT | BIG) for m in marks[nc + ncar :]),
     ]
 
 
