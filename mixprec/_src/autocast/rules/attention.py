@@ -119,11 +119,9 @@ def fused(m: Match, values: Sequence[Any], low: Any, out_shape: Sequence[int]) -
     return out.reshape(tuple(out_shape))
 
 
-def _attention_rule(
-    ctx: CastContext, *invals: Any, part: str, attention: Match, flops: int
-) -> list[Any]:
-    del flops
-    m = attention
+def _attention_rule(ctx: CastContext, *invals: Any, **params: Any) -> list[Any]:
+    part: str = params["part"]
+    m: Match = params["attention"]
     bwd = m.backward
     if ctx.decision is HIGHER_ORDER:
         # Not fused: the equations it replaced, in its place.
