@@ -482,11 +482,12 @@ def run_variant(wl: Workload, size: Size, variant: str, steps: int) -> dict[str,
     one_device = None
     if compact:  # the same steps on one device, for the comparison
         dev0 = jax.devices()[0]
-        one_device = jax.device_put((params, opt_state, wl.batch(size)), dev0)
+        # Through the host: fresh buffers that the donating step cannot delete.
+        host = jax.device_get((params, opt_state, wl.batch(size)))
+        one_device = jax.device_put(host, dev0)
     batch = wl.batch(size)
     batch = shard(batch, wl.batch_spec)
     step = jax.jit(_step_fn(variant, wl, size), donate_argnums=(0, 1))
-    # (one_device holds copies: donating the sharded arrays leaves them intact)
     hlo, compiled = partitioned_hlo(step.lower(params, opt_state, batch))
     mem = compiled.memory_analysis()
     losses = []
