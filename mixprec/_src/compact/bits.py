@@ -194,11 +194,12 @@ def landing_update(old: jax.Array, target: jax.Array) -> tuple[jax.Array, jax.Ar
     """A bfloat16 update ``u`` with ``old + u == target`` in bfloat16 arithmetic.
 
     ``optax.apply_updates`` computes ``p + u`` in bfloat16 (one rounding to
-    nearest). ``target - old`` rounded to bfloat16 lands in nearly every case;
-    where it does not, one of its two bfloat16 neighbours usually does. Rarely
-    none does (a weight that crosses zero by about twice its own size can need
-    more bits than bfloat16 has); there the update is the rounded difference and
-    the weight lands on ``old + u`` instead of ``target``.
+    nearest). ``target - old`` rounded to bfloat16 lands wherever ``target`` is
+    not much smaller than the step; where it does not, one of its two bfloat16
+    neighbours may. A target closer to zero than about the step's size usually
+    cannot be reached at all (bfloat16 numbers near the step are too far apart);
+    there the update is the rounded difference and the weight lands within half
+    an ulp of ``u`` from ``target``.
 
     Args:
         old: the bfloat16 weights.
