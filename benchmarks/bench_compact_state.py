@@ -141,6 +141,10 @@ def run(
             batch = next(batches)
             if i % 100 == 99:
                 losses.append(float(loss))
+                print(
+                    f"  {variant} seed {seed} step {i + 1}: {losses[-1]:.4f}",
+                    flush=True,
+                )
         train_s = time.perf_counter() - t0
         eval_loss, _ = train.evaluate_params(eval_fn, params, workload.eval_batches)
         missed = None
