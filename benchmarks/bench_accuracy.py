@@ -11,9 +11,9 @@ next-character accuracy of each, with the difference to float32.
 
 Writes ``benchmarks/results/accuracy_lm_<platform>.json`` (and ``.md``) and prints
 the table. The model and training loop are those of ``mixprec demo``
-(``mixprec/_src/cli/models.py``, ``mixprec/_src/cli/demo/train.py``); the JSON
-records the machine (JAX version, device, CPU flags) with
-``mixprec/_src/cli/timing.py``.
+(``mixprec/_src/workloads/models.py``, ``mixprec/_src/workloads/train.py``); the
+JSON records the machine (JAX version, device, CPU flags) with
+``mixprec/_src/workloads/timing.py``.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ ratio to the float32 variant. Interleaving matters on a shared machine: a burst 
 load from elsewhere slows every variant of that round, not just one.
 
 The models are those of ``mixprec demo`` and ``mixprec bench``
-(``mixprec/_src/cli/models.py``); the timing, memory and machine helpers are
-``mixprec/_src/cli/timing.py``.
+(``mixprec/_src/workloads/models.py``); the timing, memory and machine helpers
+are ``mixprec/_src/workloads/timing.py``.
 
 Workloads (default sizes; ``--quick`` shrinks them for a smoke test):
 

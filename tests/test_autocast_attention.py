@@ -327,10 +327,23 @@ def test_whole_step_with_one_array_as_queries_and_keys_is_right(monkeypatch):
     monkeypatch.setattr(attention_rule, "_IMPLEMENTATION", "xla")
     _pin_cuda_attention(monkeypatch)
     q, _, v = _qkv()
-    grad = jax.grad(lambda x, v: _sum_loss(gpt_causal)(x, x, v), argnums=(0, 1))
+    loss = _sum_loss(gpt_causal)
+    grad = jax.grad(lambda x, v: loss(x, x, v), argnums=(0, 1))
+    want = grad(q, v)
+    # Either part of the sum alone (the queries' or the keys' gradient) is far
+    # from it: a formulation that kept one part fails the value check below.
+    parts = jax.grad(loss, argnums=(0, 1))(q, q, v)
+    for part in parts:
+        with pytest.raises(AssertionError, match="relative error"):
+            assert_trees_close(part, want[0], dtype=jnp.bfloat16, grad=True)
+    assert_trees_close(parts[0] + parts[1], want[0], dtype=jnp.float32, grad=True)
+    # Not fused. (Were it fused, the array's gradient would be right only by
+    # the order of two writes: the kernel's derivative for one slot is the
+    # whole sum and for the other zero, and the later write wins.)
     assert _attention_entries(grad, q, v) == []
     got = jax.jit(mixprec.autocast(grad, "mixed_bfloat16"))(q, v)
-    assert_trees_close(got, grad(q, v), dtype=jnp.bfloat16, grad=True)
+    assert [g.dtype for g in got] == [jnp.float32] * 2
+    assert_trees_close(got, want, dtype=jnp.bfloat16, grad=True)
 
 
 def test_whole_step_under_remat_is_correct_unfused():

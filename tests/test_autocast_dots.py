@@ -545,6 +545,9 @@ def test_conv_rejects_integer_operands():
 # --- the benchmark script runs (not timed) ------------------------------------
 
 
+# A subprocess that compiles every variant: minutes on two cores. The default
+# run reads the formulations in this module's other tests.
+@pytest.mark.long
 def test_benchmark_quick_mode_writes_json(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = tmp_path / "bench.json"

@@ -317,11 +317,14 @@ def test_a_new_module_keeps_its_dtypes_under_a_16_bit_output_policy(outer):
     wrap = nnx.jit if outer == "nnx.jit" else (lambda f: f)
 
     def make(x):
-        model = _Net(nnx.Rngs(0, dropout=1))
-        return model, model(x)
+        rngs = nnx.Rngs(0, dropout=1)
+        model = _Net(rngs)
+        model.rngs = rngs  # also returned on its own, below
+        model.tied = model.lin1  # one submodule under two names
+        return model, model(x), rngs
 
-    want, want_y = nnx.jit(make)(_X)
-    got, got_y = wrap(mixprec.autocast(make, "p=f32,c=bf16,o=bf16"))(_X)
+    want, want_y, want_rngs = nnx.jit(make)(_X)
+    got, got_y, got_rngs = wrap(mixprec.autocast(make, "p=f32,c=bf16,o=bf16"))(_X)
     assert got_y.dtype == BF16 and want_y.dtype == F32
     assert_trees_close(got_y.astype(F32), want_y, dtype=BF16)
     want_state, got_state = _state(want), _state(got)
@@ -330,9 +333,14 @@ def test_a_new_module_keeps_its_dtypes_under_a_16_bit_output_policy(outer):
     )
     floats = lambda t: [a for a in jax.tree.leaves(t) if a.dtype == F32]  # noqa: E731
     assert_trees_close(floats(got_state), floats(want_state), dtype=BF16)
-    # Sharing inside the new object survives: its Dropout's and its own
-    # Rngs streams are one object, as under nnx.jit.
-    assert (got.drop.rngs is got.drop.rngs) and isinstance(got, _Net)
+
+    # Sharing survives as under nnx.jit: a submodule held under two names is
+    # one object, and the Rngs returned beside the module is the module's own.
+    def sharing(model, rngs):
+        return (model.tied is model.lin1, rngs is model.rngs)
+
+    assert sharing(want, want_rngs) == (True, True)  # what nnx.jit gives
+    assert sharing(got, got_rngs) == (True, True) and isinstance(got, _Net)
 
 
 def test_a_variable_given_as_an_argument_is_updated_in_place():
@@ -623,6 +631,8 @@ class _NNXProgram:
             object (Variables an optimizer shares with the model).
         forward: a second function run (wrapped too) after training.
         steps: train steps run.
+        state_dtype: the dtype whose gradient tolerance the trained state is
+            held to, where not the policy's compute dtype (see the CNN's).
     """
 
     create_model: Callable[[], tuple]
@@ -634,6 +644,7 @@ class _NNXProgram:
     forward: Callable[..., Any] | None = None
     steps: int = 4
     standard_promotion: bool = True  # optax's adam and Flax's metrics
+    state_dtype: Any = None
 
 
 def _metrics_loss(out, objects):
@@ -651,9 +662,21 @@ def _model_and_optimizer_shared(objects):
     return [(optimizer.model, model), (optimizer.model.bn.mean, model.bn.mean)]
 
 
+# The CNN's gradient is not float16-exact even with every array cast to float16
+# by hand (no autocast): its first step's gradient then differs from float32's
+# by 1.4% normwise (conv2's kernel), beyond float16's 1% gradient tolerance, and
+# Adam's normalised steps carry that on. Scaling the loss by 2**10 changes
+# nothing, so it is rounding, not underflow. Its state is held to bfloat16's
+# tolerance under every policy; the other programs to their policy's own.
+_CNN_STATE_DTYPE = BF16
+
 _NNX_PROGRAMS = {
     "mnist_cnn": _NNXProgram(
-        _cnn_create_model, _cnn_train_step, _digits_batch, loss=_metrics_loss
+        _cnn_create_model,
+        _cnn_train_step,
+        _digits_batch,
+        loss=_metrics_loss,
+        state_dtype=_CNN_STATE_DTYPE,
     ),
     "mnist_cnn_functional": _NNXProgram(
         _cnn_create_model,
@@ -661,6 +684,7 @@ _NNX_PROGRAMS = {
         _digits_batch,
         returns=3,
         loss=_metrics_loss,
+        state_dtype=_CNN_STATE_DTYPE,
     ),
     "model_and_optimizer": _NNXProgram(
         _mlp_bn_create_model,
@@ -761,16 +785,12 @@ def _train(prog, wrap):
     return objects, losses, forward
 
 
-def _assert_state_close(got, want):
+def _assert_state_close(got, want, *, dtype):
     """Normwise per leaf, against the larger of its norm and 1% of the whole
     object's state: a bias whose true gradient is about zero (Adam's moments
     of it) is held to the object's scale, not to its own rounding noise.
-
-    bfloat16's gradient tolerance under both policies: without loss scaling, a
-    float16 step rounds small gradients to few bits (subnormals), and Adam
-    normalises what is left; that is a float16 fact, not a lost update.
-    """
-    t = tol(BF16, grad=True)
+    ``dtype``'s gradient tolerance (the state is what the gradients made)."""
+    t = tol(dtype, grad=True)
     pairs = [
         (
             jax.tree_util.keystr(path),
@@ -826,7 +846,7 @@ def test_nnx_program_trains_like_float32(name, policy):
     assert_trees_close(losses, np.array([float(v) for v in want_losses]), dtype=low)
     assert got.keys() == want.keys()
     for k in want:  # one object at a time
-        _assert_state_close(got[k], want[k])
+        _assert_state_close(got[k], want[k], dtype=prog.state_dtype or low)
     ints = lambda t: [a for a in jax.tree.leaves(t) if a.dtype.kind in "iu"]  # noqa: E731
     assert [a.tolist() for a in ints(got)] == [a.tolist() for a in ints(want)]
 

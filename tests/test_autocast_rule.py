@@ -386,13 +386,28 @@ _POOLS = {"lax": _avg_pool, "flax": _flax_avg_pool, "generic": _windowed_sum}
 def test_windowed_sums_accumulate_in_float32_whatever_the_window(pool, window, policy):
     """A windowed sum (average pooling) accumulates in float32 like every
     other reduction: a global pool matches float32 within the low dtype's
-    tolerance, and a window of values near 400 does not overflow float16."""
+    tolerance, and a window of values near 400 does not overflow float16.
+
+    The values tell only for long windows (16x16, 32x32): a 2x2 window's four
+    terms sum within tolerance in 16 bits too, so there the sum's dtype is
+    what shows it runs in float32. ``generic`` is a reduce_window JAX keeps as
+    a higher-order primitive (its body an ``add``): no op-table rule of its
+    own, it keeps its traced float32 types at its boundary, which every window
+    checks."""
     pool_fn = _POOLS[pool]
 
     def f(x, w):
         return pool_fn(jnp.einsum("nhwc,cd->nhwd", x, w), window)
 
     w = jnp.eye(4)
+    with jax.numpy_dtype_promotion("standard" if pool == "flax" else "strict"):
+        ops = mixprec.explain(f, jnp.ones((1, 32, 32, 4)), w, policy=policy).ops
+    sums = [
+        op
+        for op in ops
+        if op.primitive == "reduce_window_sum" or "reduce_window" in op.path
+    ]
+    assert len(sums) == 1 and sums[0].out_dtypes == ("float32",), ops
     for x in (
         jax.random.uniform(jax.random.key(6), (2, 32, 32, 4)),
         400.0 + jax.random.uniform(jax.random.key(7), (1, 32, 32, 4)),

@@ -18,7 +18,10 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SCRIPT = os.path.join(_ROOT, "benchmarks", "bench_scaleout.py")
 
 
-@pytest.mark.slow  # one process, eight XLA compiles of small programs
+# One process, eight XLA compiles of small programs: minutes on two cores. The
+# default run uses the script's HLO reader (tests/test_multidevice.py).
+@pytest.mark.slow
+@pytest.mark.long
 def test_tiny_run_writes_json_and_follows_the_reduce_dtype(tmp_path):
     out = tmp_path / "scaleout.json"
     env = dict(

@@ -370,6 +370,9 @@ def test_the_console_script_points_at_main():
 
 # optax's Adam relies on implicit promotion (`b1 ** count` with an int32 count).
 @pytest.mark.standard_promotion
+# Every workload at every precision: minutes on two cores. The default run goes
+# through `mixprec demo` in test_a_failed_demo_run_exits_1_after_writing_the_others.
+@pytest.mark.long
 def test_tiny_demo_end_to_end(tmp_path, capsys):
     out = tmp_path / "run"
     status = cli.main(

@@ -22,6 +22,11 @@ import pytest
 from helpers import assert_trees_close
 
 
+# Five processes, each starting JAX and compiling: minutes on two cores. The
+# default run checks the same loss scaling, skips and checkpoints on one
+# process with eight devices (tests/test_multidevice.py, tests/test_orbax.py).
+pytestmark = pytest.mark.long
+
 WORKER = Path(__file__).with_name("multiprocess_worker.py")
 TIMEOUT_S = 240
 N_DEVICES = 8

@@ -1,4 +1,5 @@
-"""Convolutional networks: Flax with BatchNorm, lax convs, Equinox, conv1d."""
+"""Convolutional networks: Flax with BatchNorm, lax convs (group and batch norm by
+hand), Equinox, conv1d."""
 
 from __future__ import annotations
 
@@ -102,6 +103,43 @@ def cnn_lax_groupnorm():
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
     return Instance(params, (x, y), loss)
+
+
+def _batch_norm_nchw(x, gamma, beta, eps=1e-5):
+    mean = jnp.mean(x, axis=(0, 2, 3), keepdims=True)
+    var = jnp.var(x, axis=(0, 2, 3), keepdims=True)
+    x = (x - mean) * lax.rsqrt(var + eps)
+    return x * gamma[None, :, None, None] + beta[None, :, None, None]
+
+
+@program()
+def cnn_lax_batchnorm_nchw():
+    """lax convs NCHW/OIHW + hand-written batch norm (jnp.var, rsqrt) +
+    log_softmax NLL by take_along_axis."""
+    k1, k2, k3 = data.seeds(901, 3)
+    params = {
+        "conv1": data.normal(k1, (8, 3, 3, 3), 1 / np.sqrt(27.0)),
+        "gamma": data.ones(8),
+        "beta": data.zeros(8),
+        "conv2": data.normal(k2, (8, 8, 3, 3), 1 / np.sqrt(72.0)),
+        "dense": data.normal(k3, (8, 10), 1 / np.sqrt(8.0)),
+    }
+    x = data.normal(902, (4, 3, 8, 8))
+    labels = jnp.array([0, 3, 5, 9], jnp.int32)
+    dn = ("NCHW", "OIHW", "NCHW")
+
+    def loss(p, x, labels):
+        h = lax.conv_general_dilated(
+            x, p["conv1"], (1, 1), "SAME", dimension_numbers=dn
+        )
+        h = jax.nn.relu(_batch_norm_nchw(h, p["gamma"], p["beta"]))
+        h = lax.conv_general_dilated(
+            h, p["conv2"], (2, 2), "SAME", dimension_numbers=dn
+        )
+        logp = jax.nn.log_softmax(jax.nn.relu(h).mean(axis=(2, 3)) @ p["dense"])
+        return -jnp.mean(jnp.take_along_axis(logp, labels[:, None], axis=1))
+
+    return Instance(params, (x, labels), loss)
 
 
 # ---------------------------------------------------------------- Equinox

@@ -1,4 +1,4 @@
-"""Multi-layer perceptrons in plain jnp, Flax linen, Equinox and Haiku."""
+"""Multi-layer perceptrons in plain jnp, Flax linen and NNX, Equinox and Haiku."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 from jax import lax
 
 from . import Instance, data, program
@@ -133,6 +134,52 @@ def mlp_equinox():
     return Instance(params, (x, t), loss)
 
 
+@program("fn")
+def mlp_equinox_module():
+    """The whole eqx.nn.MLP as an argument (its activation a leaf that is a
+    function: filter_jit), applied with vmap; its log-probabilities are
+    compared."""
+    model = data.eqx_init(
+        lambda key: eqx.nn.MLP(
+            8, 4, width_size=16, depth=2, activation=jax.nn.silu, key=key
+        ),
+        903,
+    )
+    x = data.normal(904, (5, 8))
+
+    def forward(model, x):
+        return jax.nn.log_softmax(jax.vmap(model)(x))
+
+    return Instance(model, (x,), forward, kind="fn", jit=eqx.filter_jit)
+
+
+# ---------------------------------------------------------------- Flax NNX
+
+
+class NnxMLP(nnx.Module):
+    def __init__(self, rngs):
+        self.l1 = nnx.Linear(8, 16, rngs=rngs)
+        self.norm = nnx.LayerNorm(16, rngs=rngs)
+        self.l2 = nnx.Linear(16, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(jax.nn.gelu(self.norm(self.l1(x))))
+
+
+@program("standard_promotion")
+def mlp_nnx_split_merge():
+    """Flax NNX Linear + LayerNorm, its state split off and merged back inside
+    the loss (the functional NNX API)."""
+    graphdef, state = nnx.split(NnxMLP(nnx.Rngs(905)))
+    x, y = data.classification(906, 5, 8, 4)
+
+    def loss(state, x, y):
+        logits = nnx.merge(graphdef, state)(x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    return Instance(state, (x, y), loss)
+
+
 # ---------------------------------------------------------------- Haiku
 
 
@@ -152,3 +199,23 @@ def mlp_haiku():
         return -jnp.mean(jnp.take_along_axis(logp, y[:, None], axis=-1))
 
     return Instance(params, (x, y), loss)
+
+
+def _haiku_layernorm_forward(x):
+    h = hk.Linear(16)(x)
+    h = hk.LayerNorm(axis=-1, create_scale=True, create_offset=True)(h)
+    return hk.Linear(4)(jax.nn.relu(h))
+
+
+@program("standard_promotion")
+def mlp_haiku_layernorm():
+    """hk.Linear + hk.LayerNorm (which mixes its float32 parameters with its
+    input's dtype) + hk.Linear."""
+    net = hk.without_apply_rng(hk.transform(_haiku_layernorm_forward))
+    x = data.normal(907, (5, 8))
+    params = data.init(net.init, 908, x)
+
+    def loss(params, x):
+        return jnp.mean(net.apply(params, x) ** 2)
+
+    return Instance(params, (x,), loss)
