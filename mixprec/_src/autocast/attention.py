@@ -795,7 +795,7 @@ def rewrite(
             list(m.inputs),
             list(m.outvars),
             ATTENTION_P,
-            {"part": "forward", "attention": m, "flops": flops},
+            {"part": "forward", "fusion": m, "flops": flops},
             set(),
             eqns[m.first].source_info,
         )
@@ -806,7 +806,7 @@ def rewrite(
                     list(bwd.reads),
                     list(bwd.outvars),
                     ATTENTION_P,
-                    {"part": "backward", "attention": m, "flops": 2 * flops},
+                    {"part": "backward", "fusion": m, "flops": 2 * flops},
                     set(),
                     bwd.eqn.source_info,
                 )

@@ -1076,15 +1076,11 @@ def decide_fusion(
     """
     cfg = region.config
     low = np.dtype(cfg.low_dtype)
-    fusion = eqn.params["attention"]
+    fusion = eqn.params["fusion"]
     if eqn.params["part"] == "backward":
-        forward = region.facts.fused.get(fusion)
-        if forward is None:
+        if fusion not in region.facts.fused:
             return HIGHER_ORDER
-        d = forward[0]
-        return dataclasses.replace(
-            d, reason=d.reason.replace("attention (", "attention's gradient (", 1)
-        )
+        return _fused(fusion, low, "attention's gradient")
     if (
         region.composite
         or cfg.mode not in ("allow_mix_precision", "allow_mix_precision_bf16")
@@ -1102,11 +1098,16 @@ def decide_fusion(
         d = decide_eqn(region, inner, inner_spec, avals, [0] * len(avals))
         if d.precision is not Precision.LOW or d.dtype != low:
             return HIGHER_ORDER
+    return _fused(fusion, low, "attention")
+
+
+def _fused(fusion: Any, low: np.dtype, what: str) -> Decision:
+    """The decision of a fused attention's forward or backward pass."""
     return Decision(
         Precision.LOW,
         low,
         "allow",
-        f"attention ({fusion.pattern}): one fused kernel in {low} where the "
+        f"{what} ({fusion.pattern}): one fused kernel in {low} where the "
         "platform has one (cuDNN on a GPU), softmax statistics in float32 inside "
         "it; elsewhere its ops run one by one",
     )

@@ -121,7 +121,7 @@ def fused(m: Match, values: Sequence[Any], low: Any, out_shape: Sequence[int]) -
 
 def _attention_rule(ctx: CastContext, *invals: Any, **params: Any) -> list[Any]:
     part: str = params["part"]
-    m: Match = params["attention"]
+    m: Match = params["fusion"]
     bwd = m.backward
     if ctx.decision is HIGHER_ORDER:
         # Not fused: the equations it replaced, in its place.
@@ -140,14 +140,15 @@ def _attention_rule(ctx: CastContext, *invals: Any, **params: Any) -> list[Any]:
     return _backward(ctx, m, list(invals))
 
 
-def _traces(fn: Any, values: Sequence[Any]) -> bool:
-    """Whether ``fn`` traces on ``values``: JAX asks cuDNN for its version
-    when the fused call is traced, and refuses shapes cuDNN does not take."""
+def _shapes(fn: Any, values: Sequence[Any]) -> Any:
+    """What ``fn`` returns on ``values`` as shapes, or ``None`` where JAX
+    refuses the fused call when it traces it: ``RuntimeError`` when no cuDNN
+    is detected, ``ValueError`` / ``NotImplementedError`` for shapes, dtypes
+    or layouts cuDNN does not take. Any other error is a bug and raises."""
     try:
-        jax.eval_shape(fn, *values)
-    except Exception:  # noqa: BLE001  (no cuDNN here, or shapes it refuses)
-        return False
-    return True
+        return jax.eval_shape(fn, *values)
+    except (RuntimeError, ValueError, NotImplementedError):
+        return None
 
 
 def _formulation_walk(ctx: CastContext) -> itp.Walk:
@@ -177,7 +178,7 @@ def _forward(ctx: CastContext, m: Match, values: list[Any]) -> list[Any]:
         def cudnn(*vals: Any) -> Any:
             return fused(m, vals, low, out_shape)
 
-        if _traces(cudnn, values):
+        if _shapes(cudnn, values) is not None:
             out = per_platform(
                 tuple(values), platform=platform, default=unfused, cuda=cudnn
             )
@@ -213,12 +214,12 @@ def _forward(ctx: CastContext, m: Match, values: list[Any]) -> list[Any]:
         kept, found["marks"] = unfused_values(*vals)
         return kept
 
-    if not _traces(residuals_of, values):  # every platform runs the equations
+    res_shapes = _shapes(residuals_of, values)
+    if res_shapes is None:  # every platform runs the equations
         kept, kept_marks = unfused_values(*values)
-        ctx.walk.facts.fused[m] = (decision, None, [])
+        ctx.walk.facts.fused[m] = (None, [])
         ctx.out_marks[:] = [0, *kept_marks[1:]]
         return [itp.cast(kept[0], low), *kept[1:]]
-    res_shapes = jax.eval_shape(residuals_of, *values)
     kept_shapes = jax.eval_shape(kept_of, *values)
     res_tree, kept_marks = found.get("tree"), found["marks"]
 
@@ -237,7 +238,7 @@ def _forward(ctx: CastContext, m: Match, values: list[Any]) -> list[Any]:
         tuple(values), platform=platform, default=unfused_fwd, cuda=cudnn_fwd
     )
     n = len(m.outvars)
-    ctx.walk.facts.fused[m] = (decision, res_tree, list(outs[n:]))
+    ctx.walk.facts.fused[m] = (res_tree, list(outs[n:]))
     ctx.out_marks[:] = [0, *kept_marks[1:]]
     return list(outs[:n])
 
@@ -247,7 +248,7 @@ def _backward(ctx: CastContext, m: Match, reads: list[Any]) -> list[Any]:
     derivative, elsewhere its equations one by one."""
     bwd = m.backward
     assert bwd is not None
-    _, res_tree, residuals = ctx.walk.facts.fused[m]
+    res_tree, residuals = ctx.walk.facts.fused[m]
     low = np.dtype(ctx.decision.dtype)
     plain = _formulation_walk(ctx)
     read_marks = list(ctx.marks)
