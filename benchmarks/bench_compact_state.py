@@ -24,8 +24,11 @@ update (``update`` + ``optax.apply_updates``, one jitted call) against the
         bfloat16-sr/int8 --seeds 0 1 2
 
 Results are written after every run to
-``benchmarks/results/compact_state_cpu.json`` (and ``.md``), so an interrupted
-run keeps what it finished; ``--table`` re-renders the table from the JSON.
+``benchmarks/results/compact_state_cpu.json`` (and ``.md``) and merged with the
+runs already there (same step count), so an interrupted run keeps what it
+finished and a second invocation only trains the (variant, seed) pairs that are
+missing (``--rerun`` trains them again, ``--fresh`` starts a new file);
+``--table`` re-renders the table from the JSON.
 """
 
 from __future__ import annotations
@@ -278,6 +281,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-timing", action="store_true")
     parser.add_argument("--table", action="store_true", help="only re-render")
     parser.add_argument(
+        "--rerun", action="store_true", help="train pairs already in the JSON again"
+    )
+    parser.add_argument(
+        "--fresh", action="store_true", help="discard the runs in the JSON"
+    )
+    parser.add_argument(
         "--out", default=str(pathlib.Path(__file__).parent / "results"), metavar="DIR"
     )
     parser.add_argument("--name", default="compact_state_cpu")
@@ -293,37 +302,59 @@ def main(argv: list[str] | None = None) -> int:
                 f"unknown variant {v!r}; choose from float32, bf16-rtn, {TIERS}"
             )
     workload = train.lm_workload(size="small")
+    command = "python benchmarks/bench_compact_state.py " + " ".join(
+        argv if argv is not None else sys.argv[1:]
+    )
+    environment = timing.environment()
     results: dict[str, Any] = {
-        "command": "python benchmarks/bench_compact_state.py "
-        + " ".join(argv if argv is not None else sys.argv[1:]),
+        "commands": [command],
         "workload": workload.title,
         "steps": args.steps,
         "optimizer": "optax.adamw(cosine 3e-3 -> 3e-5, b2=0.95, weight_decay=0.1)",
-        "environment": timing.environment(),
+        "environment": environment,
+        "environments": [environment],
         "runs": [],
     }
+    old = (
+        None
+        if args.fresh or not path_json.exists()
+        else json.loads(path_json.read_text())
+    )
+    if old is not None and old["steps"] == args.steps:
+        results["runs"] = old["runs"]
+        results["commands"] = old.get("commands", [old.get("command")]) + [command]
+        results["environments"] = old.get("environments", [old["environment"]]) + [
+            environment
+        ]
 
     def save() -> None:
         out.mkdir(parents=True, exist_ok=True)
         path_json.write_text(json.dumps(results, indent=1) + "\n")
         path_md.write_text(table(results) + "\n")
 
-    if args.no_timing and path_json.exists():  # keep the timings measured before
-        old = json.loads(path_json.read_text())
+    if args.no_timing and old is not None:  # keep the timings measured before
         for key in ("update_seconds", "timing_environment", "timing_command"):
             if key in old:
                 results[key] = old[key]
     if not args.no_timing:
-        results["timing_command"] = results["command"]
+        results["timing_command"] = command
         timed = list(dict.fromkeys(["bf16-rtn", *args.variants]))
         results["update_seconds"] = update_times(workload, timed, args.rounds)
         results["timing_environment"] = timing.environment()
         save()
     keys = ("variant", "seed", "eval_loss", "bytes_per_param", "num_missed")
     for v in args.variants:
-        for r in run(workload, v, args.seeds, args.steps):
+        done = {r["seed"] for r in results["runs"] if r["variant"] == v}
+        seeds = args.seeds if args.rerun else [s for s in args.seeds if s not in done]
+        if not seeds:
+            continue
+        for r in run(workload, v, seeds, args.steps):
             print(json.dumps({k: r[k] for k in keys}), flush=True)
-            results["runs"].append(r)
+            results["runs"] = [
+                o
+                for o in results["runs"]
+                if (o["variant"], o["seed"]) != (v, r["seed"])
+            ] + [r]
         results["environment"]["loadavg"] = timing.environment()["loadavg"]
         save()
     print(table(results))
