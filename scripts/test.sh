@@ -9,4 +9,4 @@ echo "== ruff"
 echo "== pyright"
 .venv/bin/pyright mixprec
 echo "== pytest (tests and doctests)"
-.venv/bin/pytest -n 2 --dist loadfile -q "$@"
+.venv/bin/pytest -n 2 --dist loadfile -q --durations=30 "$@"
