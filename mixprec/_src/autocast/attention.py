@@ -1143,6 +1143,12 @@ def _prove(
 # ----------------------------------------------------------------- constant masks
 
 
+def _is_extended(v: Any) -> bool:
+    """Whether ``v`` holds no plain array (a PRNG key, a token)."""
+    dtype = getattr(v.aval, "dtype", None)
+    return dtype is None or jnp.issubdtype(dtype, jax.dtypes.extended)
+
+
 def _concrete(jaxpr: Jaxpr, given: dict[Any, Any], v: Any, memo: dict) -> Any:
     """The value of ``v`` if it is computed from literals and the constants
     whose values are ``given`` only."""
@@ -1154,7 +1160,7 @@ def _concrete(jaxpr: Jaxpr, given: dict[Any, Any], v: Any, memo: dict) -> Any:
         memo[v] = given[v]
         return memo[v]
     eqn = jaxprs.producers(jaxpr).get(v)
-    if eqn is not None:
+    if eqn is not None and not any(_is_extended(o) for o in eqn.outvars):
         args = [_concrete(jaxpr, given, u, memo) for u in eqn.invars]
         if any(a is None for a in args):
             memo[v] = None

@@ -352,35 +352,50 @@ def unfused_attention_notes(
     notes: list[str] = []
 
     def visit(
-        jaxpr: Jaxpr, consts: Sequence[Any], known: Sequence[Any], derived: bool,
+        jaxpr: Jaxpr,
+        consts: Sequence[Any],
+        known_of: Callable[[], Sequence[Any]],
+        derived: bool,
         where: str,
-    ) -> None:  # fmt: skip
+    ) -> None:
+        # Constants are evaluated only where an attention may be looked for.
+        memo: dict[str, Any] = {}
+
+        def known() -> Sequence[Any]:
+            if "known" not in memo:
+                memo["known"] = list(known_of())
+            return memo["known"]
+
+        def given() -> dict[Any, Any]:
+            if "given" not in memo:
+                memo["given"] = {
+                    v: x
+                    for v, x in (
+                        *zip(jaxpr.constvars, consts, strict=False),
+                        *zip(jaxpr.invars, known(), strict=False),
+                    )
+                    if x is not None
+                }
+            return memo["given"]
+
         derived = derived or bool(jaxprs.backward_eqns(jaxpr))
-        given = {
-            v: x
-            for v, x in (
-                *zip(jaxpr.constvars, consts, strict=False),
-                *zip(jaxpr.invars, known, strict=False),
-            )
-            if x is not None
-        }
-        if where and derived:
-            for m in attention.unpaired(jaxpr, consts, known):
+        dots = sum(e.primitive.name == "dot_general" for e in jaxpr.eqns)
+        if where and derived and dots >= 2:
+            for m in attention.unpaired(jaxpr, consts, known()):
                 source = short_source(_compat.eqn_source_summary(m.eqn.source_info))
                 notes.append(
                     f"dot_product_attention ({m.pattern}) at {source or '<unknown>'}"
                     f" [in {where}]: not fused, forward or backward. It is in the "
                     "body of a higher-order op of a differentiated program (such "
                     "as a whole train step over lax.scan-stacked layers) and the "
-                    "values "
-                    "its backward pass reads leave that body, so JAX put its "
-                    "backward pass in another body, where autocast cannot prove "
-                    "it against the forward. Its ops run one by one (on a GPU: no "
-                    "cuDNN kernel, and the attention weights are materialised). "
-                    "To fuse "
-                    "both passes, apply autocast to the loss alone and "
-                    "differentiate that: jax.value_and_grad(mixprec.autocast("
-                    "loss, policy)); JAX then differentiates the fused kernel."
+                    "values its backward pass reads leave that body, so JAX put "
+                    "its backward pass in another body, where autocast cannot "
+                    "prove it against the forward. Its ops run one by one (on a "
+                    "GPU: no cuDNN kernel, and the attention weights are "
+                    "materialised). To fuse both passes, apply autocast to the "
+                    "loss alone and differentiate that: jax.value_and_grad("
+                    "mixprec.autocast(loss, policy)); JAX then differentiates the "
+                    "fused kernel."
                 )
         for eqn in jaxpr.eqns:
             bodies = _bodies(eqn)
@@ -394,12 +409,14 @@ def unfused_attention_notes(
                 visit(
                     open_body,
                     body_consts,
-                    _known_operands(jaxpr, given, eqn, open_body),
+                    lambda jaxpr=jaxpr, eqn=eqn, body=open_body: _known_operands(
+                        jaxpr, given(), eqn, body
+                    ),
                     derived,
                     f"{where}, {inner}" if where else inner,
                 )
 
-    visit(jaxpr, consts, known, False, "")
+    visit(jaxpr, consts, lambda: known, False, "")
     return notes
 
 
