@@ -366,7 +366,8 @@ def _is_where_call(
     jaxpr: Jaxpr, eqn: JaxprEqn, operand: int, given: dict[Any, Any]
 ) -> bool:
     """Whether a ``jit`` is a ``where`` of the scores (``jnp.where``'s body:
-    views and one ``select_n``) with a condition and a scalar literal fill."""
+    views and one ``select_n``) with a condition and a scalar literal fill
+    (or a fill of known value in ``given``, see :func:`_fill_value`)."""
     inner = eqn.params.get("jaxpr")
     if inner is None or len(eqn.invars) != 3 or not eqn.outvars:
         return False
