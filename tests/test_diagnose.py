@@ -858,3 +858,109 @@ def test_a_higher_order_op_without_a_stepping_path_is_compared_as_one_op():
         "mul",
     ]
     assert report.output_rel_error[0] < 10 * tol(jnp.bfloat16)
+
+
+# ------------------------------------------- attention a whole step cannot fuse
+
+
+def _attention_notes(report):
+    return [n for n in report.notes if n.startswith("dot_product_attention")]
+
+
+def _scan_program(name):
+    from corpus import PROGRAMS
+
+    return PROGRAMS[name].build()
+
+
+@pytest.fixture
+def user_rank_promotion():
+    # The corpus programs broadcast biases by rank promotion, as users do.
+    with jax.numpy_rank_promotion("allow"):
+        yield
+
+
+@pytest.mark.standard_promotion  # optax.adamw mixes int and float
+@pytest.mark.usefixtures("user_rank_promotion")
+@pytest.mark.parametrize(
+    "name,policy",
+    [
+        ("gpt_scan_over_layers", "mixed_bfloat16"),
+        ("gpt_scan_over_layers", F16),
+        ("flax_nn_scan_gpt", "mixed_bfloat16"),
+    ],
+)
+def test_scan_over_layers_whole_step_names_its_unfused_attention(name, policy):
+    # A whole step over lax.scan-stacked layers: JAX puts the attention's
+    # forward in one scan body and its backward in another, so neither is
+    # fused. The report says which attention, why, and what to do.
+    from corpus.scan_layers import causal_attention
+
+    inst = _scan_program(name)
+    args = (inst.train_state, *inst.args)
+    report = mixprec.diagnose(inst.step, *args, policy=policy, refine=False)
+    line = line_of(causal_attention, 'einsum("bthd,bshd->bhts"')
+    [note] = _attention_notes(report)
+    assert note.startswith(
+        "dot_product_attention (scaled q·kᵀ, causal mask, softmax, ·v) at "
+        f"scan_layers.py:{line} (causal_attention) [in "
+    ), note
+    assert "scan at" in note and "not fused, forward or backward" in note
+    assert "mixprec.autocast(loss, policy)" in note
+    assert note in report.advice()
+    # explain says the same, and it is true: no fused attention in the step.
+    explained = mixprec.explain(inst.step, *args, policy=policy)
+    assert _attention_notes(explained) == [note]
+    assert not explained.find("dot_product_attention")
+
+
+@pytest.mark.standard_promotion  # optax's cross-entropy mixes int and float
+@pytest.mark.usefixtures("user_rank_promotion")
+def test_no_unfused_attention_note_where_attention_fuses_or_is_absent():
+    from corpus import scan_layers
+
+    inst = _scan_program("gpt_scan_over_layers")
+    params, (tokens, labels) = inst.params, inst.args
+    # The loss alone (what the note advises): its attention is fused in the
+    # scan body, and JAX differentiates the fused kernel.
+    loss_only = mixprec.diagnose(inst.loss, params, tokens, labels, policy=F16)
+    assert _attention_notes(loss_only) == []
+    scaled = mixprec.diagnose(
+        inst.loss, params, tokens, labels, policy=F16, loss_scale=1024.0, refine=False
+    )
+    assert _attention_notes(scaled) == []
+    explained = mixprec.explain(inst.loss, params, tokens, labels, policy=F16)
+    assert [op.path for op in explained.find("dot_product_attention")] == ["scan/body"]
+
+    # The same layers unrolled: both passes fused in one jaxpr, nothing to say.
+    def unrolled(params, tokens, labels):
+        x = params["embed"][tokens]
+        for i in range(scan_layers.LAYERS):
+            layer = jax.tree.map(lambda a, i=i: a[i], params["layers"])
+            x, _ = scan_layers.block(x, layer)
+        logits = x @ params["head"]
+        return jnp.mean(
+            jax.nn.logsumexp(logits, axis=-1)
+            - jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
+        )
+
+    step = jax.grad(unrolled)
+    report = mixprec.diagnose(step, params, tokens, labels, policy=F16, refine=False)
+    assert _attention_notes(report) == []
+    fused = mixprec.explain(step, params, tokens, labels, policy=F16)
+    assert [op.backward for op in fused.find("dot_product_attention")] == [
+        False,
+        False,
+        True,
+        True,
+    ]
+
+    # A scanned whole step without attention.
+    def mlp(ws, x):
+        y, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)
+        return jnp.mean(y**2)
+
+    ws = 0.3 * jax.random.normal(jax.random.key(0), (2, 16, 16))
+    x = jax.random.normal(jax.random.key(1), (4, 16))
+    report = mixprec.diagnose(jax.grad(mlp), ws, x, policy=F16, refine=False)
+    assert _attention_notes(report) == []

@@ -47,6 +47,16 @@ _FLAGS = {
     "max); values computed from statistics anchor gray ops instead of following",
     ops.EPILOGUE: "epilogue: a bias add right after a matmul runs on the matmul's "
     "float32 product and is rounded once",
+    ops.FILL: "fill: a constant operand is a fill or a bound (`finfo(float32).min` "
+    "as a mask fill); cast down it saturates to the low dtype's finite range",
+    ops.KEEPS_MAGNITUDE: "keeps magnitude: the result is as large as its largest "
+    "operand, so a value it makes from a constant the low dtype cannot hold (a "
+    "mask bias) is treated as that constant",
+    ops.CROSS_DEVICE_SUM: "cross-device sum: a sum across devices; runs in the "
+    "policy's `reduce_dtype`",
+    ops.FUSION: "fusion: the op a rewrite pass put in place of several (a written-out "
+    "attention); fused where every op it replaces would run in the low dtype, else "
+    "run as those ops",
 }
 
 
@@ -83,6 +93,12 @@ def render_op_table() -> str:
     for cls, meaning in _CLASSES.items():
         count = sum(1 for _, c, _, _ in rows if c == cls)
         lines.append(f"| {cls} | {meaning} | {count} |")
+    missing = sorted(ops.FLAGS - _FLAGS.keys())
+    if missing:
+        raise ValueError(
+            f"`tools/gen_op_table.py` has no legend for the op-table flags {missing}; "
+            "add each to `_FLAGS`."
+        )
     lines += ["", "## Flags", "", "| flag | meaning | ops |", "|---|---|---|"]
     for flag, meaning in _FLAGS.items():
         members = [n for n, _, _, flags in rows if flag in flags]

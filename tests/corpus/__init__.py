@@ -117,6 +117,7 @@ from . import (  # noqa: E402, F401
     norms,
     padding_bias,
     rnn,
+    scan_layers,
     steps,
     vae,
 )

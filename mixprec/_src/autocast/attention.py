@@ -65,9 +65,11 @@ __all__ = [
     "ATTENTION_P",
     "Match",
     "canonical_layout",
+    "constant_values",
     "find",
     "rewrite",
     "step_out_labels",
+    "unpaired",
 ]
 
 #: The private primitive of a recognised attention: one equation in place of
@@ -214,6 +216,10 @@ class _Users(dict):
 
     forward: bool = False
     eqns: Sequence[JaxprEqn] = ()
+    # Values of constants known before the walk, read as a mask's fill where
+    # JAX's derivative of a loop hoisted the broadcast fill out of its body
+    # (set by :func:`unpaired` only).
+    given: dict[Any, Any] = {}
 
 
 def _users(jaxpr: Jaxpr, ignore: frozenset[int] = frozenset()) -> _Users:
@@ -287,6 +293,29 @@ def _scalar_literal(jaxpr: Jaxpr, v: Any) -> float | None:
     return None
 
 
+def _is_fill(v: Any, given: dict[Any, Any]) -> bool:
+    """Whether ``v`` may be a ``where``'s fill: a scalar, or a float32
+    constant of known value (see :func:`_fill_value`)."""
+    return not _shape(v) or (v in given and _is_f32(v))
+
+
+def _fill_value(jaxpr: Jaxpr, v: Any, given: dict[Any, Any]) -> float | None:
+    """The value of a ``where``'s fill: a scalar literal (possibly broadcast
+    or converted), or a floating constant in ``given`` whose elements are all
+    one value (what a fill becomes when JAX's derivative of ``lax.scan``
+    hoists its broadcast out of the body)."""
+    if not _shape(v):
+        return _scalar_literal(jaxpr, v)
+    x = given.get(v)
+    if x is None or _compat.is_tracer(x):
+        return None
+    x = np.asarray(x)
+    if x.size == 0 or not np.issubdtype(x.dtype, np.floating):
+        return None
+    first = x.flat[0]
+    return float(first) if bool(np.all(x == first)) else None
+
+
 def _only_user(users: dict[Any, list[int]], v: Any, fits: Any = None) -> int:
     us = _pick(users, v, fits or (lambda e: True))
     if len(us) != 1 or us[0] < 0:
@@ -333,9 +362,12 @@ _CHAIN = frozenset({"mul", "div", "add", "select_n", "jit", "pjit"}) | _VIEWS
 _CONTINUES = _CHAIN | {"reduce_max", "sub", "exp", "reduce_sum", "dot_general"}
 
 
-def _is_where_call(jaxpr: Jaxpr, eqn: JaxprEqn, operand: int) -> bool:
+def _is_where_call(
+    jaxpr: Jaxpr, eqn: JaxprEqn, operand: int, given: dict[Any, Any]
+) -> bool:
     """Whether a ``jit`` is a ``where`` of the scores (``jnp.where``'s body:
-    views and one ``select_n``) with a condition and a scalar literal fill."""
+    views and one ``select_n``) with a condition and a scalar literal fill
+    (or a fill of known value in ``given``, see :func:`_fill_value`)."""
     inner = eqn.params.get("jaxpr")
     if inner is None or len(eqn.invars) != 3 or not eqn.outvars:
         return False
@@ -351,7 +383,10 @@ def _is_where_call(jaxpr: Jaxpr, eqn: JaxprEqn, operand: int) -> bool:
         return False
     others = [u for k, u in enumerate(eqn.invars) if k != operand]
     return (
-        sum(not _shape(u) and _scalar_literal(jaxpr, u) is not None for u in others)
+        sum(
+            _is_fill(u, given) and _fill_value(jaxpr, u, given) is not None
+            for u in others
+        )
         == 1
     )
 
@@ -368,6 +403,7 @@ def _scores_chain(
     scale reached at each."""
     scale = 1.0
     steps: list[_Raw] = []
+    given = users.given if isinstance(users, _Users) else {}
     while True:
         v, labels = _follow_views(jaxpr, users, v, labels, region)
         us = _pick(users, v, lambda e: e.primitive.name in _CHAIN)
@@ -390,11 +426,11 @@ def _scores_chain(
             if fill is None:
                 raise _Fail
             steps.append(_Raw("mask", eqn, pos, labels, scale, fill))
-        elif name in ("jit", "pjit") and _is_where_call(jaxpr, eqn, pos):
+        elif name in ("jit", "pjit") and _is_where_call(jaxpr, eqn, pos, given):
             fills = [
-                _scalar_literal(jaxpr, u)
+                _fill_value(jaxpr, u, given)
                 for j, u in enumerate(eqn.invars)
-                if j != pos and not _shape(u)
+                if j != pos and _is_fill(u, given)
             ]
             if len(fills) != 1 or fills[0] is None:
                 raise _Fail
@@ -754,6 +790,61 @@ def find(
     return out
 
 
+def unpaired(
+    jaxpr: Jaxpr, consts: Sequence[Any] = (), known: Sequence[Any] = ()
+) -> list[Match]:
+    """The attentions of ``jaxpr`` recognised but left unfused because the
+    values their backward pass reads leave ``jaxpr``.
+
+    Such an attention is its forward equations only (found as :func:`find`
+    finds them in a differentiated program, its masks' fills read from
+    ``consts`` and ``known`` too), and some of its values other than its
+    result are results of ``jaxpr``: the residuals JAX returns from the
+    forward body of a differentiated ``lax.scan`` (or ``jit``) for a backward
+    pass it puts in another body. :func:`rewrite` has nothing to prove its
+    backward pass against, so neither pass is fused. (Whether ``jaxpr`` is
+    such a body is for the caller to know: a function that returns its
+    attention weights is one too.)
+    """
+    dots = [i for i, e in enumerate(jaxpr.eqns) if e.primitive.name == "dot_general"]
+    if len(dots) < 2:
+        return []
+    given = {
+        v: x
+        for v, x in (
+            *zip(jaxpr.constvars, consts, strict=False),
+            *zip(jaxpr.invars, known, strict=False),
+        )
+        if x is not None and not _compat.is_tracer(x)
+    }
+    taken: set[int] = set()
+    for m in find(jaxpr, consts, known).values():
+        taken |= m.region | (m.backward.region if m.backward else frozenset())
+    users = _users(jaxpr, ignore=jaxprs.dead_eqns(jaxpr))
+    users.forward = True
+    users.given = given
+    every = jaxprs.users(jaxpr)
+    out = []
+    for i in dots:
+        if i in taken:
+            continue
+        try:
+            m = _match_at(jaxpr, users, i)
+        except _Fail:
+            continue
+        result = jaxpr.eqns[m.anchor].outvars[0]
+        if m.region & taken or not any(
+            -1 in every.get(o, ())
+            for j in m.region
+            for o in jaxpr.eqns[j].outvars
+            if o is not result
+        ):
+            continue
+        taken |= m.region
+        out.append(_with_causal(jaxpr, given, m))
+    return out
+
+
 # ----------------------------------------------------------------- the rewrite
 
 
@@ -1053,6 +1144,12 @@ def _prove(
 # ----------------------------------------------------------------- constant masks
 
 
+def _is_extended(v: Any) -> bool:
+    """Whether ``v`` holds no plain array (a PRNG key, a token)."""
+    dtype = getattr(v.aval, "dtype", None)
+    return dtype is None or jnp.issubdtype(dtype, jax.dtypes.extended)
+
+
 def _concrete(jaxpr: Jaxpr, given: dict[Any, Any], v: Any, memo: dict) -> Any:
     """The value of ``v`` if it is computed from literals and the constants
     whose values are ``given`` only."""
@@ -1064,7 +1161,7 @@ def _concrete(jaxpr: Jaxpr, given: dict[Any, Any], v: Any, memo: dict) -> Any:
         memo[v] = given[v]
         return memo[v]
     eqn = jaxprs.producers(jaxpr).get(v)
-    if eqn is not None:
+    if eqn is not None and not any(_is_extended(o) for o in eqn.outvars):
         args = [_concrete(jaxpr, given, u, memo) for u in eqn.invars]
         if any(a is None for a in args):
             memo[v] = None
@@ -1076,6 +1173,17 @@ def _concrete(jaxpr: Jaxpr, given: dict[Any, Any], v: Any, memo: dict) -> Any:
         return memo[v]
     memo[v] = None
     return None
+
+
+def constant_values(
+    jaxpr: Jaxpr, given: dict[Any, Any], variables: Sequence[Any]
+) -> list[Any]:
+    """The values of ``variables`` of ``jaxpr`` that are computed from
+    literals and the constants whose values are ``given`` only (``None`` for
+    the others): what the body of an equation that reads them knows of its
+    constant operands."""
+    memo: dict[Any, Any] = {}
+    return [_concrete(jaxpr, given, v, memo) for v in variables]
 
 
 def _with_causal(jaxpr: Jaxpr, given: dict[Any, Any], m: Match) -> Match:

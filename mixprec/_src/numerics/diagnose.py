@@ -67,6 +67,7 @@ from mixprec._src.numerics.advice import (
     scope_fix,
     suggest_loss_scale,
 )
+from mixprec._src.numerics.explain import traced_attention_notes
 from mixprec._src.numerics.record import (
     AlignmentIssue,
     OpRecord,
@@ -213,7 +214,8 @@ class DiagnosisReport:
       gradient_range: ``(smallest, largest)`` non-zero magnitude of the
         backward-pass values, unscaled, or ``None``.
       alignment: tensor-core alignment issues of low-precision dots/convs.
-      notes: anything the reader should know (diverging branches, capped loops).
+      notes: anything the reader should know (diverging branches, capped loops,
+        an attention a whole step cannot fuse).
 
     Examples:
       >>> import jax.numpy as jnp
@@ -572,6 +574,7 @@ class _Comparer:
         self.notes: list[str] = []
         self.grads = GradientHistogram()
         self.ref: dict[Any, Any] = {}
+        self.source: Any = None  # the traced function walked (api.Source)
 
     # -- the reference stream -------------------------------------------------
     def seed(self, variables: Sequence[Any], values: Sequence[Any]) -> None:
@@ -875,6 +878,7 @@ def _evaluate(
     walk = api.region_walk(config, comparer)
     if float32_lines:
         walk = walk.with_float32_lines(float32_lines)
+    comparer.source = source
     comparer.seed(source.jaxpr.invars, values)
     outs, _ = itp.eval_jaxpr(
         walk, source.jaxpr, (), values, source.in_marks(), source.consts
@@ -1089,6 +1093,10 @@ def diagnose(
             out_err.append(_rel_error(a64, b64))
             out_bad.append(int(np.count_nonzero(np.isfinite(a64) & ~np.isfinite(b64))))
     notes = list(dict.fromkeys(ev.notes))
+    if loss_scale is None:
+        # (With a loss scale, diagnose differentiates the loss itself, as
+        # `jax.grad(autocast(loss))` would: the note's advice is what it did.)
+        notes.extend(traced_attention_notes(config, ev.source))
     fixes: tuple[ScopeFix, ...] = ()
     scope_ok: bool | None = None
     if refine:
