@@ -27,7 +27,8 @@ Results are written after every run to
 ``benchmarks/results/compact_state_cpu.json`` (and ``.md``) and merged with the
 runs already there (same step count), so an interrupted run keeps what it
 finished and a second invocation only trains the (variant, seed) pairs that are
-missing (``--rerun`` trains them again, ``--fresh`` starts a new file);
+missing (``--rerun`` trains them again, ``--fresh`` starts a new file;
+``--warmup N`` puts a linear warmup of N steps before the cosine);
 ``--table`` re-renders the table from the JSON.
 """
 
@@ -81,9 +82,12 @@ NAIVE_GAP = 0.01
 BYTES_TARGETS = {"bfloat16-sr/int8": 6.1, "bfloat16-sr/bfloat16-sr": 8.0}
 
 
-def make_optimizer(variant: str, steps: int) -> tuple[Any, Any]:
+def make_optimizer(variant: str, steps: int, warmup: int = 0) -> tuple[Any, Any]:
     """(optimizer, params dtype) of a variant."""
-    lr = optax.cosine_decay_schedule(3e-3, steps, alpha=0.01)
+    if warmup:
+        lr = optax.warmup_cosine_decay_schedule(0.0, 3e-3, warmup, steps, 3e-5)
+    else:
+        lr = optax.cosine_decay_schedule(3e-3, steps, alpha=0.01)
     if variant == "float32":
         return optax.adamw(lr, b2=0.95, weight_decay=0.1), jnp.float32
     if variant == "bf16-rtn":
@@ -97,10 +101,10 @@ def make_optimizer(variant: str, steps: int) -> tuple[Any, Any]:
 
 
 def run(
-    workload: Any, variant: str, seeds: list[int], steps: int
+    workload: Any, variant: str, seeds: list[int], steps: int, warmup: int = 0
 ) -> list[dict[str, Any]]:
     """Trains one variant once per seed (one compilation for all seeds)."""
-    opt, dtype = make_optimizer(variant, steps)
+    opt, dtype = make_optimizer(variant, steps, warmup)
     weights = variant.split("/")[0] if "/" in variant else None
 
     def start(seed: int) -> tuple[Any, Any]:
@@ -265,7 +269,8 @@ def table(results: dict[str, Any]) -> str:
     env = results["environment"]
     lines.append("")
     lines.append(
-        f"{results['workload']}; {results['steps']} steps; JAX {env['jax']}; "
+        f"{results['workload']}; {results['steps']} steps; "
+        f"{results['optimizer']}; JAX {env['jax']}; "
         f"{env['cpu_model']} ({timing.flags_summary(env['cpu_flags'])}); "
         f"{env['date']}; load {env['loadavg']}."
     )
@@ -278,6 +283,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=30, help="timing rounds")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=0,
+        help="linear warmup steps before the cosine (0: the cosine from step 0)",
+    )
     parser.add_argument("--no-timing", action="store_true")
     parser.add_argument("--table", action="store_true", help="only re-render")
     parser.add_argument(
@@ -310,7 +321,11 @@ def main(argv: list[str] | None = None) -> int:
         "commands": [command],
         "workload": workload.title,
         "steps": args.steps,
-        "optimizer": "optax.adamw(cosine 3e-3 -> 3e-5, b2=0.95, weight_decay=0.1)",
+        "optimizer": "optax.adamw(cosine 3e-3 -> 3e-5, b2=0.95, weight_decay=0.1)"
+        if not args.warmup
+        else f"optax.adamw(linear warmup 0 -> 3e-3 over {args.warmup} steps, "
+        "cosine -> 3e-5, b2=0.95, weight_decay=0.1)",
+        "warmup": args.warmup,
         "environment": environment,
         "environments": [environment],
         "runs": [],
@@ -320,7 +335,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.fresh or not path_json.exists()
         else json.loads(path_json.read_text())
     )
-    if old is not None and old["steps"] == args.steps:
+    if old is not None:
+        if (old["steps"], old.get("warmup", 0)) != (args.steps, args.warmup):
+            parser.error(
+                f"{path_json} holds runs of {old['steps']} steps with warmup "
+                f"{old.get('warmup', 0)}; pass --name for another file or --fresh"
+            )
         results["runs"] = old["runs"]
         results["commands"] = old.get("commands", [old.get("command")]) + [command]
         results["environments"] = old.get("environments", [old["environment"]]) + [
@@ -348,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         seeds = args.seeds if args.rerun else [s for s in args.seeds if s not in done]
         if not seeds:
             continue
-        for r in run(workload, v, seeds, args.steps):
+        for r in run(workload, v, seeds, args.steps, args.warmup):
             print(json.dumps({k: r[k] for k in keys}), flush=True)
             results["runs"] = [
                 o
