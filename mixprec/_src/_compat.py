@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-from jax._src import core as _core
+from jax._src import api_util as _api_util, core as _core
 from jax._src.interpreters import ad as _ad, partial_eval as _pe
 from jax.extend import linear_util as _lu
 from jax.extend.core import ClosedJaxpr, Jaxpr
@@ -183,6 +183,16 @@ def trace_to_closed_jaxpr(
     )
     jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(wrapped, list(in_avals))
     return ClosedJaxpr(jaxpr, consts)
+
+
+def keep_branch_debug_info(fn: Callable[..., Any], args: Sequence[Any]) -> None:
+    """Stores on ``fn`` the debug info ``lax.switch`` (and
+    ``lax.platform_dependent``) builds for a branch called on operands shaped
+    like ``args``, so that JAX reads it instead of rebuilding it (from the
+    function's signature) on every call."""
+    _api_util.save_wrapped_fun_debug_info(
+        fn, _api_util.debug_info("switch", fn, args, {})
+    )
 
 
 def eval_closed_jaxpr(closed: ClosedJaxpr, *args: Any) -> list[Any]:

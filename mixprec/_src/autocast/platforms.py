@@ -18,10 +18,17 @@ platform's function directly (tests, and users who know where they run).
 
 from __future__ import annotations
 
+import enum
+import functools as ft
 from collections.abc import Callable
 from typing import Any, Final
 
+import jax
+import numpy as np
 from jax import lax
+from jax.sharding import Sharding
+
+from mixprec._src import _compat
 
 
 __all__ = ["PLATFORMS", "canonical_platform", "per_platform"]
@@ -65,7 +72,11 @@ def per_platform(
     Args:
         args: the operands (pytrees of arrays).
         platform: a pinned platform, or ``None`` for the one the computation is
-            lowered for (every function is traced; each lowering keeps one).
+            lowered for (every function is traced; each lowering keeps one). A
+            module-level function, or a ``functools.partial`` of one with
+            plain-data arguments (numbers, strings, dtypes, enums, shardings,
+            tuples of them), is traced once per operand types and shared by
+            every call (the products of every layer of a model).
         default: the function for platforms without an override.
         **overrides: functions for ``cpu``, ``cuda``, ``rocm`` or ``tpu``.
 
@@ -94,4 +105,56 @@ def per_platform(
         return overrides.get(pinned, default)(*args)
     if not overrides:
         return default(*args)
+    default = _interned(default, args)
+    overrides = {name: _interned(fn, args) for name, fn in overrides.items()}
     return lax.platform_dependent(*args, default=default, **overrides)
+
+
+# One object per formulation (module-level function, static arguments, operand
+# structure). JAX caches the jaxpr it traces for a branch by the branch's
+# identity and the operands' types: the products of every layer of a model
+# share one trace per formulation instead of tracing each branch once per
+# product. The object also carries the debug info JAX would build for it as a
+# branch (from its signature, on every call otherwise). A closure, or a static
+# argument that is not plain data, is passed as it is (never kept here: it may
+# hold traced values).
+_INTERNED: dict[Any, Callable[..., Any]] = {}
+_INTERN_LIMIT: Final = 4096
+_DATA: Final = (type(None), bool, int, float, str, np.dtype, enum.Enum, Sharding)
+
+
+def _data_key(value: Any) -> Any:
+    """``value`` with the type of every part (``1`` and ``True`` are equal, and
+    hash alike, but are not the same argument); ``None`` if it is not plain
+    data."""
+    if isinstance(value, tuple):
+        parts = tuple(_data_key(v) for v in value)
+        return None if None in parts else (type(value), parts)
+    return (type(value), value) if isinstance(value, _DATA) else None
+
+
+def _interned(fn: Callable[..., Any], args: tuple[Any, ...]) -> Callable[..., Any]:
+    if isinstance(fn, ft.partial):
+        if type(fn) is not ft.partial:  # a subclass may call differently
+            return fn
+        func, static, keywords = fn.func, fn.args, fn.keywords
+    else:
+        func, static, keywords = fn, (), {}
+    # (A closure, a lambda or a function defined in a function: made anew
+    # per call, it would never be found again.)
+    if getattr(func, "__closure__", None) is not None or "<" in getattr(
+        func, "__qualname__", "<"
+    ):
+        return fn
+    static_key = _data_key((static, tuple(sorted(keywords.items()))))
+    if static_key is None:
+        return fn
+    key = (func, static_key, jax.tree.structure(args))
+    found = _INTERNED.get(key)
+    if found is None:
+        if len(_INTERNED) >= _INTERN_LIMIT:
+            _INTERNED.clear()
+        found = ft.partial(func, *static, **keywords)
+        _compat.keep_branch_debug_info(found, args)
+        _INTERNED[key] = found
+    return found
