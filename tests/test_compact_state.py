@@ -249,6 +249,43 @@ def test_a_weight_that_cannot_land_is_counted():
     assert abs(float(master["w"][0]) - float(want[0])) < 8e-6  # within u's grid
 
 
+def test_landing_update_lands_whenever_a_nearby_update_can():
+    # Targets near their old weights, near zero (where landing may be
+    # impossible) and far from them (where the rounded difference may tie and
+    # miss, and a neighbour land); bfloat16 `old + u` must equal the target
+    # where `landed`, and where not, no update within one ulp of the rounded
+    # difference lands.
+    rng = np.random.default_rng(3)
+    n = 1 << 16
+    pick = rng.integers(0, 4, n)
+    pow2 = rng.choice([-1.0, 1.0], n) * 2.0 ** rng.integers(-10, 10, n)
+    old = rng.standard_normal(n) * 10.0 ** rng.integers(-4, 1, n)
+    old = np.where(pick == 3, pow2, old).astype(jnp.bfloat16)
+    o64 = old.astype(np.float64)
+    near = o64 * (1 + rng.standard_normal(n) * 10.0 ** rng.integers(-4, 0, n))
+    to_zero = o64 * rng.uniform(-1e-3, 1e-3, n)
+    far = o64 * rng.choice([-1.0, 1.0], n) * 2.0 ** rng.uniform(6, 10, n)
+    # -256 times a power of two: the difference, 257 of its ulps, ties and
+    # rounds to even, which misses; one bfloat16 ulp further lands.
+    target = np.choose(pick, [near, to_zero, far, -256.0 * o64])
+    target = target.astype(jnp.bfloat16)
+    u, landed = jax.jit(bits.landing_update)(jnp.asarray(old), jnp.asarray(target))
+    assert u.dtype == jnp.bfloat16 and landed.dtype == jnp.bool_
+    u, landed = np.asarray(u), np.asarray(landed)
+
+    def lands(z):  # optax.apply_updates: one bfloat16 addition
+        s = old.astype(np.float32) + z.astype(np.float32)
+        return s.astype(jnp.bfloat16).astype(np.float32) == target.astype(np.float32)
+
+    np.testing.assert_array_equal(lands(u), landed)
+    d = (target.astype(np.float32) - old.astype(np.float32)).astype(jnp.bfloat16)
+    bits16 = d.view(np.uint16).astype(np.int64)
+    for step in (-1, 0, 1):
+        z = np.clip(bits16 + step, 0, 0xFFFF).astype(np.uint16).view(jnp.bfloat16)
+        assert not np.any(lands(z) & ~landed)
+    assert np.any(landed) and np.any(~landed)  # both cases occur
+
+
 def test_stochastic_weights_move_where_round_to_nearest_stalls():
     # A step of 1e-4 on a weight of 1.0 is an eighth of bfloat16's half ulp.
     lr, steps = 1e-4, 1000
