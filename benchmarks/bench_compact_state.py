@@ -22,6 +22,7 @@ update (``update`` + ``optax.apply_updates``, one jitted call) against the
     python benchmarks/bench_compact_state.py                  # the default set
     python benchmarks/bench_compact_state.py --variants float32 bf16-rtn \\
         bfloat16-sr/int8 --seeds 0 1 2
+    python benchmarks/bench_compact_state.py --timing-only --out /tmp/t  # no training
 
 Results are written after every run to
 ``benchmarks/results/compact_state_cpu.json`` (and ``.md``) and merged with the
@@ -290,6 +291,11 @@ def main(argv: list[str] | None = None) -> int:
         help="linear warmup steps before the cosine (0: the cosine from step 0)",
     )
     parser.add_argument("--no-timing", action="store_true")
+    parser.add_argument(
+        "--timing-only",
+        action="store_true",
+        help="only time the updates (no training); keeps the runs already in the JSON",
+    )
     parser.add_argument("--table", action="store_true", help="only re-render")
     parser.add_argument(
         "--rerun", action="store_true", help="train pairs already in the JSON again"
@@ -356,12 +362,26 @@ def main(argv: list[str] | None = None) -> int:
         for key in ("update_seconds", "timing_environment", "timing_command"):
             if key in old:
                 results[key] = old[key]
+    if args.no_timing and args.timing_only:
+        parser.error("--no-timing and --timing-only exclude each other")
     if not args.no_timing:
         results["timing_command"] = command
         timed = list(dict.fromkeys(["bf16-rtn", *args.variants]))
         results["update_seconds"] = update_times(workload, timed, args.rounds)
         results["timing_environment"] = timing.environment()
         save()
+    if args.timing_only:
+        env = results["timing_environment"]
+        base = results["update_seconds"]["bf16-rtn"]
+        print("| variant | update ms | vs bf16-rtn |\n|---|---|---|")
+        for v, t in results["update_seconds"].items():
+            print(f"| {v} | {t * 1e3:.2f} | {timing.ratio(t, base):.2f}x |")
+        print(
+            f"\nJAX {env['jax']}; {env['cpu_model']} "
+            f"({timing.flags_summary(env['cpu_flags'])}); {env['date']}; "
+            f"load {env['loadavg']}; {args.rounds} interleaved rounds."
+        )
+        return 0
     keys = ("variant", "seed", "eval_loss", "bytes_per_param", "num_missed")
     for v in args.variants:
         done = {r["seed"] for r in results["runs"] if r["variant"] == v}

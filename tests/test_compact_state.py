@@ -102,6 +102,71 @@ def test_moment_codes_are_unbiased_and_close(tier):
     assert n == x.size
 
 
+def _grid_spacing(t, tier, rooted):
+    """The spacing of a code's grid at ``t`` (in the code's own units): 3 bits
+    of mantissa above the smallest normal (4 for int8's square-root code);
+    below it, the int8 code has only 0 and its smallest normal, float8
+    subnormals 2**-9 apart."""
+    t = np.asarray(t, np.float64)
+    normal, below = (2.0**-14, 2.0**-14) if tier == "int8" else (2.0**-6, 2.0**-9)
+    bits_m = 4 if (tier == "int8" and rooted) else 3
+    e = np.floor(np.log2(np.maximum(t, normal)))
+    return np.where(t >= normal, 2.0 ** (e - bits_m), below)
+
+
+@pytest.mark.parametrize("tier", ["int8", "float8"])
+def test_each_code_stores_a_grid_neighbour_without_bias(tier):
+    # Three blocks per row: signed (a first moment), non-negative (a second
+    # moment) and all zeros; every row holds the same values and draws its own
+    # random bits, so the mean over rows is each element's expected value.
+    draws, block = 1024, 128
+    rng = np.random.default_rng(0)
+    y_signed = 2.0 ** rng.uniform(-16, 0, block) * rng.choice([-1.0, 1.0], block)
+    y_signed[:3] = [1.0, 0.0, -(2.0**-15)]
+    y_nonneg = 2.0 ** rng.uniform(-26, 0, block)
+    y_nonneg[:2] = [1.0, 0.0]
+    absmax = np.float32([0.3, 1e-6, 0.0])
+    row = np.concatenate(
+        [y_signed * absmax[0], y_nonneg * absmax[1], np.zeros(block)]
+    ).astype(np.float32)
+    x = jnp.asarray(np.broadcast_to(row, (draws, 3 * block)))
+    rnd = bits.random_bits(bits.global_index(x.shape), jnp.int32(7), 11)
+    c = codes.encode(x, tier, rnd, block=block)
+    dec = codes.decode(c)
+    assert c.scale is not None and dec.dtype == jnp.float32
+    scale = np.asarray(c.scale)
+    np.testing.assert_array_equal(np.abs(scale), np.broadcast_to(absmax, (draws, 3)))
+    # The sign of the scale says which code a block uses: square root for the
+    # non-negative block only.
+    assert np.all(scale[:, 1] < 0) and np.all(scale[:, 0] > 0)
+    assert not np.any(scale[:, 2] < 0)
+    dec = np.asarray(dec, np.float64)
+    assert np.all(dec[:, 2 * block :] == 0)
+
+    k = np.float32(448.0 if tier == "float8" else 1.0)
+    for j, rooted in ((0, False), (1, True)):
+        xs = row[j * block : (j + 1) * block]
+        d = dec[:, j * block : (j + 1) * block]
+        a = np.float32(absmax[j])
+        y = np.abs(xs) / a  # float32, as the code computes it
+        t = (np.sqrt(y) if rooted else y) * k
+        s = _grid_spacing(t, tier, rooted)
+        t_dec = np.abs(d) / np.float64(a)
+        t_dec = (np.sqrt(t_dec) if rooted else t_dec) * np.float64(k)
+        # One of the two grid points around the value, with its sign.
+        assert np.all(np.abs(t_dec - t) <= s * (1 + 1e-5)), tier
+        assert np.all((np.sign(d) == np.sign(xs)) | (d == 0))
+        if rooted:
+            assert np.all(d[:, xs > 0] > 0)  # a second moment never becomes 0
+        # Unbiased per element: the mean of the draws is within 6 standard
+        # errors of the value, a draw's spread being at most half the gap.
+        t64 = np.asarray(t, np.float64)
+        gap = ((t64 + s) ** 2 - t64**2) / k**2 if rooted else s / k
+        tol = 6 * gap * float(a) / (2 * np.sqrt(draws)) + 1e-6 * np.abs(xs)
+        err = np.abs(d.mean(axis=0) - np.asarray(xs, np.float64))
+        assert np.all(err <= tol), (tier, rooted, float(np.max(err / tol)))
+
+
 def test_second_moment_never_rounds_to_zero():
     v = jnp.concatenate([jnp.ones(1), jnp.full(255, 1e-12)])
     for tier in ("int8", "float8"):
@@ -182,6 +247,43 @@ def test_a_weight_that_cannot_land_is_counted():
     assert float(master["w"][1]) == float(want[1])  # this one landed exactly
     assert float(master["w"][0]) != float(want[0])
     assert abs(float(master["w"][0]) - float(want[0])) < 8e-6  # within u's grid
+
+
+def test_landing_update_lands_whenever_a_nearby_update_can():
+    # Targets near their old weights, near zero (where landing may be
+    # impossible) and far from them (where the rounded difference may tie and
+    # miss, and a neighbour land); bfloat16 `old + u` must equal the target
+    # where `landed`, and where not, no update within one ulp of the rounded
+    # difference lands.
+    rng = np.random.default_rng(3)
+    n = 1 << 16
+    pick = rng.integers(0, 4, n)
+    pow2 = rng.choice([-1.0, 1.0], n) * 2.0 ** rng.integers(-10, 10, n)
+    old = rng.standard_normal(n) * 10.0 ** rng.integers(-4, 1, n)
+    old = np.where(pick == 3, pow2, old).astype(jnp.bfloat16)
+    o64 = old.astype(np.float64)
+    near = o64 * (1 + rng.standard_normal(n) * 10.0 ** rng.integers(-4, 0, n))
+    to_zero = o64 * rng.uniform(-1e-3, 1e-3, n)
+    far = o64 * rng.choice([-1.0, 1.0], n) * 2.0 ** rng.uniform(6, 10, n)
+    # -256 times a power of two: the difference, 257 of its ulps, ties and
+    # rounds to even, which misses; one bfloat16 ulp further lands.
+    target = np.choose(pick, [near, to_zero, far, -256.0 * o64])
+    target = target.astype(jnp.bfloat16)
+    u, landed = jax.jit(bits.landing_update)(jnp.asarray(old), jnp.asarray(target))
+    assert u.dtype == jnp.bfloat16 and landed.dtype == jnp.bool_
+    u, landed = np.asarray(u), np.asarray(landed)
+
+    def lands(z):  # optax.apply_updates: one bfloat16 addition
+        s = old.astype(np.float32) + z.astype(np.float32)
+        return s.astype(jnp.bfloat16).astype(np.float32) == target.astype(np.float32)
+
+    np.testing.assert_array_equal(lands(u), landed)
+    d = (target.astype(np.float32) - old.astype(np.float32)).astype(jnp.bfloat16)
+    bits16 = d.view(np.uint16).astype(np.int64)
+    for step in (-1, 0, 1):
+        z = np.clip(bits16 + step, 0, 0xFFFF).astype(np.uint16).view(jnp.bfloat16)
+        assert not np.any(lands(z) & ~landed)
+    assert np.any(landed) and np.any(~landed)  # both cases occur
 
 
 def test_stochastic_weights_move_where_round_to_nearest_stalls():

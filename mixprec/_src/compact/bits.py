@@ -221,16 +221,21 @@ def landing_update(old: jax.Array, target: jax.Array) -> tuple[jax.Array, jax.Ar
     old32 = old.astype(jnp.float32)
     t = target.astype(jnp.float32)
     d = round_bfloat16_nearest(t - old32)
-    ok = round_bfloat16_nearest(old32 + d) == t
+    reached = round_bfloat16_nearest(old32 + d)
+    ok = reached == t
+    # Where `d` misses, try its neighbour on the bfloat16 grid (one ulp larger
+    # or smaller in magnitude) on the side of `target`: `old + z` rounded does
+    # not decrease as `z` grows, so the neighbour on the other side cannot land.
+    # (Checked against trying both neighbours on every pair of bfloat16 values.)
     db = _bits(d)
-    # The neighbours of `d` on the bfloat16 grid (one ulp larger / smaller in
-    # magnitude); used only where `d` does not land, where `d != 0`.
-    bigger = _float(db + jnp.uint32(0x10000))
-    smaller = _float(db - jnp.uint32(0x10000))
-    ok_b = round_bfloat16_nearest(old32 + bigger) == t
-    ok_s = round_bfloat16_nearest(old32 + smaller) == t
-    u = jnp.where(ok, d, jnp.where(ok_b, bigger, jnp.where(ok_s, smaller, d)))
-    return u.astype(jnp.bfloat16), ok | ok_b | ok_s
+    larger = db + jnp.uint32(0x10000)
+    smaller = db - jnp.uint32(0x10000)
+    # `larger` is above `d` for a positive `d`, below it for a negative one.
+    use_larger = (reached < t) == (db < jnp.uint32(0x80000000))
+    other = _float(jnp.where(use_larger, larger, smaller))
+    ok_other = round_bfloat16_nearest(old32 + other) == t
+    u = jnp.where(ok, d, jnp.where(ok_other, other, d))
+    return u.astype(jnp.bfloat16), ok | ok_other
 
 
 def num_elements(shape: Sequence[int]) -> int:

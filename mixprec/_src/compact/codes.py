@@ -104,16 +104,18 @@ def _float(u: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(u, jnp.float32)
 
 
-def _minifloat_grid(t: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
-    """The int8 code's grid points below and above ``t`` in [0, 1] (float32)."""
-    drop = 23 - m
-    mask = jnp.uint32((0xFFFFFFFF >> drop) << drop)
+def _minifloat_grid(
+    t: jax.Array, mask: jax.Array, one: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """The int8 code's grid points below and above ``t`` in [0, 1] (float32).
+
+    ``mask`` keeps the sign, the exponent and the code's mantissa bits of a
+    float32; ``one`` is the last bit it keeps (both per block).
+    """
     tb = _bits(t) & mask
     normal = t >= jnp.float32(2.0 ** (1 - _EMAX))
     lo = jnp.where(normal, _float(tb), 0.0)
-    hi = jnp.where(
-        normal, _float(tb + jnp.uint32(1 << drop)), jnp.float32(2.0 ** (1 - _EMAX))
-    )
+    hi = jnp.where(normal, _float(tb + one), jnp.float32(2.0 ** (1 - _EMAX)))
     return lo, hi
 
 
@@ -130,29 +132,27 @@ def _e4m3_grid(t: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def _choose(
-    y: jax.Array, lo: jax.Array, hi: jax.Array, u: jax.Array, square: bool
+    y: jax.Array, lo: jax.Array, hi: jax.Array, u: jax.Array, square: jax.Array
 ) -> jax.Array:
-    """``hi`` with probability (y - lo) / (hi - lo) in the value domain."""
-    vlo, vhi = (lo * lo, hi * hi) if square else (lo, hi)
+    """``hi`` with probability (y - lo) / (hi - lo) in the value domain.
+
+    ``square`` (per block): the grid is of square roots, so the values are
+    ``lo**2`` and ``hi**2``.
+    """
+    vlo = jnp.where(square, lo * lo, lo)
+    vhi = jnp.where(square, hi * hi, hi)
     gap = vhi - vlo
     p = jnp.where(gap > 0, (y - vlo) / jnp.where(gap > 0, gap, 1.0), 0.0)
     return jnp.where(u < p, hi, lo)
 
 
-def _int8_code(v: jax.Array, m: int) -> jax.Array:
-    """Code of a grid value ``v`` in [0, 1]: exponent << m | mantissa; 0 -> 0."""
-    vb = _bits(v)
-    e = (vb >> 23).astype(jnp.int32) - (127 - _EMAX)
-    mant = ((vb >> (23 - m)) & jnp.uint32((1 << m) - 1)).astype(jnp.int32)
-    return jnp.where(v > 0, (e << m) | mant, 0)
-
-
-def _int8_value(code: jax.Array, m: int) -> jax.Array:
-    c = code.astype(jnp.uint32)
-    e = c >> m
-    mant = c & jnp.uint32((1 << m) - 1)
-    v = _float(((e + jnp.uint32(127 - _EMAX)) << 23) | (mant << (23 - m)))
-    return jnp.where(c > 0, v, 0.0)
+def _int8_layout(rooted: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per block: (mantissa bits, the float32 mask keeping them, their last
+    bit) of the square-root code where ``rooted``, else of the signed code."""
+    m = jnp.where(rooted, jnp.uint32(_SQRT_M), jnp.uint32(_SIGNED_M))
+    drop = jnp.uint32(23) - m
+    mask = (jnp.uint32(0xFFFFFFFF) >> drop) << drop
+    return m, mask, jnp.uint32(1) << drop
 
 
 def encode(x: jax.Array, tier: str, random: jax.Array, *, block: int) -> Any:
@@ -185,28 +185,31 @@ def encode(x: jax.Array, tier: str, random: jax.Array, *, block: int) -> Any:
     xb = _blocks(x32, block)
     u = bits_lib.uniform(_blocks(random, block))
     absmax = jnp.max(jnp.abs(xb), axis=-1, keepdims=True)
+    # A block with no negative value (a second moment) takes the square-root
+    # code; every other block the signed direct code. One code per element,
+    # with the block's parameters.
     nonneg = jnp.min(xb, axis=-1, keepdims=True) >= 0
     y = jnp.abs(xb) / jnp.where(absmax > 0, absmax, 1.0)  # in [0, 1]
-    root = jnp.sqrt(y)
-    positive = y > 0
+    t = jnp.where(nonneg, jnp.sqrt(y), y)
+    # Never flush a positive value of a non-negative block to 0.
+    keep = nonneg & (y > 0)
     if tier == "int8":
-        lo_d, hi_d = _minifloat_grid(y, _SIGNED_M)
-        direct = _int8_code(_choose(y, lo_d, hi_d, u, False), _SIGNED_M)
-        direct = jnp.where(xb < 0, direct | 0x80, direct)
-        lo_r, hi_r = _minifloat_grid(root, _SQRT_M)
-        lo_r = jnp.where(positive & (lo_r == 0), hi_r, lo_r)  # never flush to 0
-        rooted = _int8_code(_choose(y, lo_r, hi_r, u, True), _SQRT_M)
-        codes = jnp.where(nonneg, rooted, direct).astype(jnp.uint8)
+        m, mask, one = _int8_layout(nonneg)
+        lo, hi = _minifloat_grid(t, mask, one)
+        lo = jnp.where(keep & (lo == 0), hi, lo)
+        v = _choose(y, lo, hi, u, nonneg)
+        vb = _bits(v)
+        e = (vb >> 23) - jnp.uint32(127 - _EMAX)
+        mant = (vb >> (jnp.uint32(23) - m)) & ((jnp.uint32(1) << m) - 1)
+        code = jnp.where(v > 0, (e << m) | mant, 0)
+        codes = jnp.where(xb < 0, code | 0x80, code).astype(jnp.uint8)
     elif tier == "float8":
-        t_d = y * jnp.float32(_E4M3_MAX)
-        lo_d, hi_d = _e4m3_grid(t_d)
-        direct = _choose(t_d, lo_d, hi_d, u, False)
-        direct = jnp.where(xb < 0, -direct, direct)
-        t_r = root * jnp.float32(_E4M3_MAX)
-        lo_r, hi_r = _e4m3_grid(t_r)
-        lo_r = jnp.where(positive & (lo_r == 0), hi_r, lo_r)
-        rooted = _choose(y * jnp.float32(_E4M3_MAX**2), lo_r, hi_r, u, True)
-        codes = jnp.where(nonneg, rooted, direct).astype(jnp.float8_e4m3fn)
+        t = t * jnp.float32(_E4M3_MAX)
+        lo, hi = _e4m3_grid(t)
+        lo = jnp.where(keep & (lo == 0), hi, lo)
+        target = jnp.where(nonneg, y * jnp.float32(_E4M3_MAX**2), t)
+        v = _choose(target, lo, hi, u, nonneg)
+        codes = jnp.where(xb < 0, -v, v).astype(jnp.float8_e4m3fn)
     else:
         raise ValueError(f"unknown moment tier {tier!r}")
     scale = jnp.where(nonneg, -absmax, absmax)[..., 0]
@@ -235,14 +238,19 @@ def decode(c: Any) -> jax.Array:
     absmax = jnp.abs(scale)
     rooted = scale < 0
     if c.tier == "int8":
-        mag = jnp.where(
-            rooted,
-            jnp.square(_int8_value(codes, _SQRT_M)),
-            _int8_value(codes & 0x7F, _SIGNED_M),
+        m, _, _ = _int8_layout(rooted)
+        # The signed code keeps its sign in the top bit.
+        cb = codes.astype(jnp.uint32) & jnp.where(
+            rooted, jnp.uint32(0xFF), jnp.uint32(0x7F)
         )
+        e = cb >> m
+        mant = cb & ((jnp.uint32(1) << m) - 1)
+        v = _float(((e + jnp.uint32(127 - _EMAX)) << 23) | (mant << (23 - m)))
+        v = jnp.where(cb > 0, v, 0.0)
+        mag = jnp.where(rooted, v * v, v)
         neg = (~rooted) & ((codes & 0x80) != 0)
         val = jnp.where(neg, -mag, mag)
     else:
         f = codes.astype(jnp.float32) * jnp.float32(1 / _E4M3_MAX)
-        val = jnp.where(rooted, jnp.square(f), f)
+        val = jnp.where(rooted, f * f, f)
     return (val * absmax).reshape(shape).astype(c.dtype)
