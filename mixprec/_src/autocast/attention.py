@@ -729,6 +729,18 @@ def _match_at(jaxpr: Jaxpr, users: dict[Any, list[int]], first: int) -> Match:
     )
 
 
+def _given(jaxpr: Jaxpr, consts: Sequence[Any], known: Sequence[Any]) -> dict[Any, Any]:
+    """The constvars' and first invars' values known before the walk."""
+    return {
+        v: x
+        for v, x in (
+            *zip(jaxpr.constvars, consts, strict=False),
+            *zip(jaxpr.invars, known, strict=False),
+        )
+        if x is not None and not _compat.is_tracer(x)
+    }
+
+
 def find(
     jaxpr: Jaxpr, consts: Sequence[Any] = (), known: Sequence[Any] = ()
 ) -> dict[int, Match]:
@@ -743,14 +755,7 @@ def find(
     dots = [i for i, e in enumerate(jaxpr.eqns) if e.primitive.name == "dot_general"]
     if len(dots) < 2:
         return {}
-    given = {
-        v: x
-        for v, x in (
-            *zip(jaxpr.constvars, consts, strict=False),
-            *zip(jaxpr.invars, known, strict=False),
-        )
-        if x is not None and not _compat.is_tracer(x)
-    }
+    given = _given(jaxpr, consts, known)
     users = _users(jaxpr)
     out: dict[int, Match] = {}
     taken: set[int] = set()
@@ -809,14 +814,7 @@ def unpaired(
     dots = [i for i, e in enumerate(jaxpr.eqns) if e.primitive.name == "dot_general"]
     if len(dots) < 2:
         return []
-    given = {
-        v: x
-        for v, x in (
-            *zip(jaxpr.constvars, consts, strict=False),
-            *zip(jaxpr.invars, known, strict=False),
-        )
-        if x is not None and not _compat.is_tracer(x)
-    }
+    given = _given(jaxpr, consts, known)
     taken: set[int] = set()
     for m in find(jaxpr, consts, known).values():
         taken |= m.region | (m.backward.region if m.backward else frozenset())
