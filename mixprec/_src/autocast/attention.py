@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -741,6 +741,23 @@ def _given(jaxpr: Jaxpr, consts: Sequence[Any], known: Sequence[Any]) -> dict[An
     }
 
 
+def _untaken_matches(
+    jaxpr: Jaxpr, users: _Users, dots: Sequence[int], taken: set[int]
+) -> Iterator[Match]:
+    """The attentions matched at ``dots`` that share no equation with
+    ``taken`` (read as it is when each is found: the caller adds the regions
+    it keeps)."""
+    for i in dots:
+        if i in taken:
+            continue
+        try:
+            m = _match_at(jaxpr, users, i)
+        except _Fail:
+            continue
+        if not m.region & taken:
+            yield m
+
+
 def find(
     jaxpr: Jaxpr, consts: Sequence[Any] = (), known: Sequence[Any] = ()
 ) -> dict[int, Match]:
@@ -759,15 +776,7 @@ def find(
     users = _users(jaxpr)
     out: dict[int, Match] = {}
     taken: set[int] = set()
-    for i in dots:
-        if i in taken:
-            continue
-        try:
-            m = _match_at(jaxpr, users, i)
-        except _Fail:
-            continue
-        if m.region & taken:
-            continue
+    for m in _untaken_matches(jaxpr, users, dots, taken):
         m = _with_causal(jaxpr, given, m)
         taken |= m.region
         out[m.anchor] = m
@@ -823,15 +832,9 @@ def unpaired(
     users.given = given
     every = jaxprs.users(jaxpr)
     out = []
-    for i in dots:
-        if i in taken:
-            continue
-        try:
-            m = _match_at(jaxpr, users, i)
-        except _Fail:
-            continue
+    for m in _untaken_matches(jaxpr, users, dots, taken):
         result = jaxpr.eqns[m.anchor].outvars[0]
-        if m.region & taken or not any(
+        if not any(
             -1 in every.get(o, ())
             for j in m.region
             for o in jaxpr.eqns[j].outvars
