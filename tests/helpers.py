@@ -70,6 +70,24 @@ F16 = jnp.dtype(jnp.float16)
 F32 = jnp.dtype(jnp.float32)
 
 
+# Primitives a dot formulation (a per-platform `cond` selected by
+# `platform_index`) or a cast adds to a traced program by itself: tests that
+# match an autocast program's equations against per-op records skip them.
+FORMULATION_PRIMITIVES = frozenset(
+    {
+        "platform_index",
+        "convert_element_type",
+        "optimization_barrier",
+        "reshape",
+        "transpose",
+        "broadcast_in_dim",
+        "dot_general",
+        "custom_vjp_call",
+        "cond",
+    }
+)
+
+
 def platform_branch(eqn, platform):
     """For a ``cond`` that ``lax.platform_dependent`` emitted, the branch a
     lowering for ``platform`` keeps (``None`` for other equations)."""

@@ -14,7 +14,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import BF16, F16, F32, assert_tree_dtypes, assert_trees_close, iter_eqns
+from helpers import (
+    BF16,
+    F16,
+    F32,
+    FORMULATION_PRIMITIVES,
+    assert_tree_dtypes,
+    assert_trees_close,
+    iter_eqns,
+)
 from jax import lax
 
 import mixprec
@@ -632,24 +640,15 @@ _BIG_FILL = np.full((1, 16 * 4200), -1e9, np.float32)
 
 
 # Primitives the dot formulations and the casts add to the jaxpr by
-# themselves (`platform_index` selects a platform's formulation); every other
-# primitive's dtypes must match the records.
-_FORMULATION = {
-    "platform_index",
-    "convert_element_type",
-    "optimization_barrier",
-    "reshape",
-    "transpose",
-    "broadcast_in_dim",
-    "dot_general",
-    "custom_vjp_call",
+# themselves, and the higher-order ones whose bodies are matched on their own;
+# every other primitive's dtypes must match the records.
+_FORMULATION = FORMULATION_PRIMITIVES | {
     "jit",
     "pjit",
     "checkpoint",
     "remat2",
     "scan",
     "while",
-    "cond",
     "custom_jvp_call",
 }
 

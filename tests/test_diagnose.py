@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import iter_eqns, tol
+from helpers import FORMULATION_PRIMITIVES, iter_eqns, tol
 from jax.extend.core import Literal
 
 import mixprec
@@ -634,19 +634,9 @@ def _loops_args():
     return jax.random.normal(k1, (8, 8)) / 4, jax.random.normal(k2, (5, 8))
 
 
-# Primitives a dot formulation (a per-platform `cond`) or a cast adds to the
-# staged body by itself; dots are checked on their own.
-_ADDED = {
-    "platform_index",
-    "convert_element_type",
-    "optimization_barrier",
-    "reshape",
-    "transpose",
-    "broadcast_in_dim",
-    "dot_general",
-    "custom_vjp_call",
-    "cond",
-}
+# Primitives a dot formulation or a cast adds to the staged body by itself;
+# dots are checked on their own.
+_ADDED = FORMULATION_PRIMITIVES
 
 
 def _bodies(staged):
