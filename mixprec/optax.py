@@ -36,11 +36,13 @@ This module imports optax; ``import mixprec`` never imports it.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from ._src import training
@@ -289,6 +291,7 @@ def loss_scaled(
             # One device's inf must make every device skip: give
             # `apply_if_finite` the global verdict.
             updates = _poison(updates, finite)
+        updates = _as_inner_returns(inner, updates, state.inner_state, params, extra_args)
         s = optax.ApplyIfFiniteState(
             notfinite_count=state.num_consecutive_skipped,
             last_finite=state.last_finite,
@@ -322,6 +325,45 @@ def loss_scaled(
         )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
+
+
+def _as_inner_returns(
+    inner: optax.GradientTransformation,
+    grads: Any,
+    inner_state: Any,
+    params: Any,
+    extra_args: dict[str, Any],
+) -> Any:
+    """The gradients widened to the dtypes of the updates ``inner`` returns.
+
+    `optax.apply_if_finite` returns zeros like its input when it skips, so its
+    two branches agree only where the inner optimizer keeps the gradients'
+    dtypes. `compact_state` with bfloat16 weights returns float32 updates for
+    bfloat16 gradients (a float32 step lands where a bfloat16 one may not); it
+    reads the gradients as float32, so widening them first changes nothing it
+    computes. Only lossless widenings are made.
+    """
+    out, _ = jax.eval_shape(
+        functools.partial(inner.update, **extra_args), grads, inner_state, params
+    )
+    g_flat, g_def = jax.tree.flatten(grads)
+    try:
+        o_flat = g_def.flatten_up_to(out)
+    except ValueError:  # an inner that returns another structure: leave it
+        return grads
+
+    def widen(g: Any, o: Any) -> Any:
+        if not (hasattr(g, "dtype") and hasattr(o, "dtype")) or g.dtype == o.dtype:
+            return g
+        if jnp.issubdtype(g.dtype, jnp.floating) and jnp.promote_types(
+            g.dtype, o.dtype
+        ) == np.dtype(o.dtype):
+            return jnp.asarray(g, o.dtype)
+        return g
+
+    return jax.tree.unflatten(
+        g_def, [widen(g, o) for g, o in zip(g_flat, o_flat, strict=True)]
+    )
 
 
 def _find_states(state: Any) -> list[LossScaledState]:

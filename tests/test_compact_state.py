@@ -227,9 +227,12 @@ def test_exact_tier_reassembles_float32_adamw_bit_for_bit():
     assert not np.array_equal(np.asarray(ref_p["w"]), np.asarray(p32["w"]))
 
 
-def test_a_weight_that_cannot_land_is_counted():
+@pytest.mark.parametrize("promotion", ["standard", "strict"])
+def test_a_weight_near_zero_lands_with_float32_updates(promotion):
     # 9.42e-4 - 1.0e-3 = -5.8e-5: no bfloat16 update from 9.42e-4 reaches the
-    # top bits of -5.8e-5 (bfloat16 near 1e-3 is 8e-6 apart).
+    # top bits of -5.8e-5 (bfloat16 near 1e-3 is 8e-6 apart), a float32 one
+    # does. Strict promotion refuses bfloat16 + float32, so there the update is
+    # bfloat16, and the miss is counted.
     old = jnp.array([9.4223e-4, 0.5], jnp.float32)
     opt = mpo.compact_state(
         optax.sgd(1.0), weights="bfloat16-exact", moments="float32", policy=BF16
@@ -239,14 +242,24 @@ def test_a_weight_that_cannot_land_is_counted():
         opt.init({"w": old}),
     )
     g = {"w": jnp.array([1.0004e-3, 2**-8], jnp.float32)}
-    u, state = opt.update(g, state, params)
-    new = optax.apply_updates(params, u)
-    assert int(state.num_missed) == 1
+    with jax.numpy_dtype_promotion(promotion):
+        u, state = opt.update(g, state, params)
+        new = optax.apply_updates(params, u)
     want = old - g["w"]
     master = mpo.master_params(new, state)
-    assert float(master["w"][1]) == float(want[1])  # this one landed exactly
-    assert float(master["w"][0]) != float(want[0])
-    assert abs(float(master["w"][0]) - float(want[0])) < 8e-6  # within u's grid
+    assert new["w"].dtype == jnp.bfloat16
+    assert float(master["w"][1]) == float(want[1])  # this one lands either way
+    if promotion == "standard":
+        assert u["w"].dtype == jnp.float32
+        assert int(state.num_missed) == 0
+        np.testing.assert_array_equal(
+            np.asarray(master["w"]).view(np.uint32), np.asarray(want).view(np.uint32)
+        )
+    else:
+        assert u["w"].dtype == jnp.bfloat16
+        assert int(state.num_missed) == 1
+        assert float(master["w"][0]) != float(want[0])
+        assert abs(float(master["w"][0]) - float(want[0])) < 8e-6  # within u's grid
 
 
 def test_landing_update_lands_whenever_a_nearby_update_can():
@@ -273,11 +286,23 @@ def test_landing_update_lands_whenever_a_nearby_update_can():
     assert u.dtype == jnp.bfloat16 and landed.dtype == jnp.bool_
     u, landed = np.asarray(u), np.asarray(landed)
 
-    def lands(z):  # optax.apply_updates: one bfloat16 addition
+    def lands(z):  # optax.apply_updates: one addition, rounded to bfloat16
         s = old.astype(np.float32) + z.astype(np.float32)
         return s.astype(jnp.bfloat16).astype(np.float32) == target.astype(np.float32)
 
     np.testing.assert_array_equal(lands(u), landed)
+    # A float32 update lands wherever the target is at most 2**16 times
+    # smaller than the old weight (the float32 difference is then exact), and
+    # `landed` says where it did.
+    u32, landed32 = jax.jit(bits.landing_update, static_argnums=2)(
+        jnp.asarray(old), jnp.asarray(target), jnp.float32
+    )
+    assert u32.dtype == jnp.float32
+    landed32 = np.asarray(landed32)
+    np.testing.assert_array_equal(lands(np.asarray(u32)), landed32)
+    t64 = np.abs(target.astype(np.float64))
+    assert np.all(landed32[t64 >= np.abs(o64) * 2.0**-16])
+    assert np.sum(~landed32) < np.sum(~landed) / 10
     d = (target.astype(np.float32) - old.astype(np.float32)).astype(jnp.bfloat16)
     bits16 = d.view(np.uint16).astype(np.int64)
     for step in (-1, 0, 1):

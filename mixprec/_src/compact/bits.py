@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 
@@ -190,36 +192,54 @@ def join_exact(hi: jax.Array, lo: jax.Array) -> jax.Array:
     return _float((top.astype(jnp.uint32) << 16) | lo.astype(jnp.uint32))
 
 
-def landing_update(old: jax.Array, target: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """A bfloat16 update ``u`` with ``old + u == target`` in bfloat16 arithmetic.
+def landing_update(
+    old: jax.Array, target: jax.Array, dtype: Any = jnp.bfloat16
+) -> tuple[jax.Array, jax.Array]:
+    """An update ``u`` with ``optax.apply_updates(old, u) == target``.
 
-    ``optax.apply_updates`` computes ``p + u`` in bfloat16 (one rounding to
-    nearest). ``target - old`` rounded to bfloat16 lands wherever ``target`` is
-    not much smaller than the step; where it does not, one of its two bfloat16
-    neighbours may. A target closer to zero than about the step's size usually
-    cannot be reached at all (bfloat16 numbers near the step are too far apart);
-    there the update is the rounded difference and the weight lands within half
-    an ulp of ``u`` from ``target``.
+    ``optax.apply_updates`` computes ``(old + u).astype(old.dtype)``. With a
+    ``float32`` update the sum is float32 and rounds to bfloat16 once: ``u =
+    target - old`` is exact, so the weight lands, unless ``target`` is more than
+    about 2**16 times smaller than ``old`` (the float32 difference then loses
+    ``target``'s bits). With a ``bfloat16`` update (what strict dtype promotion
+    allows) the sum is bfloat16: ``target - old`` rounded to bfloat16 lands
+    wherever ``target`` is not much smaller than the step; where it does not,
+    one of its two bfloat16 neighbours may. A target closer to zero than about
+    the step's size usually cannot be reached then (bfloat16 numbers near the
+    step are too far apart), and the update is the rounded difference: the
+    weight lands within half an ulp of ``u`` from ``target``.
 
     Args:
         old: the bfloat16 weights.
         target: the bfloat16 weights to reach (bfloat16 or float32 holding
             bfloat16 values).
+        dtype: the update's dtype, ``jnp.float32`` or ``jnp.bfloat16``.
 
     Returns:
-        ``(u, landed)``: the bfloat16 update and a bool array, false where the
-        weight does not land on ``target``.
+        ``(u, landed)``: the update in ``dtype`` and a bool array, false where
+        the weight does not land on ``target``.
 
     Examples:
         >>> import jax.numpy as jnp
-        >>> old = jnp.array([1.0, 3.0], jnp.bfloat16)
-        >>> new = jnp.array([1.0078125, -2.0], jnp.bfloat16)
-        >>> u, landed = landing_update(old, new)
-        >>> bool(jnp.all(old + u == new)), landed.tolist()
+        >>> old = jnp.array([9.4223e-4, 3.0], jnp.bfloat16)
+        >>> new = jnp.array([-5.8e-5, -2.0], jnp.bfloat16)
+        >>> u, landed = landing_update(old, new, jnp.float32)
+        >>> bool(jnp.all((old + u).astype(jnp.bfloat16) == new)), landed.tolist()
         (True, [True, True])
+        >>> u, landed = landing_update(old, new)  # bfloat16: -5.8e-5 is too fine
+        >>> u.dtype, landed.tolist()
+        (dtype(bfloat16), [False, True])
     """
     old32 = old.astype(jnp.float32)
     t = target.astype(jnp.float32)
+    if np.dtype(dtype) == np.dtype(jnp.float32):
+        u32 = t - old32
+        return u32, round_bfloat16_nearest(old32 + u32) == t
+    if np.dtype(dtype) != np.dtype(jnp.bfloat16):
+        raise ValueError(
+            f"`landing_update(..., dtype=...)` must be float32 or bfloat16, got "
+            f"{np.dtype(dtype).name}."
+        )
     d = round_bfloat16_nearest(t - old32)
     reached = round_bfloat16_nearest(old32 + d)
     ok = reached == t

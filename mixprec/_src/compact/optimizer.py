@@ -212,14 +212,18 @@ def compact_state(
     ``"bfloat16-sr"`` 8, ``"bfloat16-sr"`` / ``"int8"`` about 6.
 
     The returned updates work with ``optax.apply_updates`` unchanged: for the
-    bfloat16 tiers they are bfloat16 and ``p + u`` lands exactly on the rounded
-    new weight, except where the new weight is closer to zero than about the
-    size of its step: bfloat16 numbers near the step are then too far apart to
-    reach it, and the weight lands within half an ulp of ``u`` instead.
-    ``CompactState.num_missed`` counts such elements (on the demo's char
-    transformer about 1% of the weights per step early in training). For
-    ``"bfloat16-sr"`` that error is 1/256 of the step; for ``"bfloat16-exact"``
-    it ends the bit-exactness of that weight.
+    bfloat16 tiers they are float32, and ``(p + u).astype(p.dtype)`` lands
+    exactly on the rounded new weight (it misses only where the new weight is
+    more than about 2**16 times smaller than the old one, which the demo's
+    char transformer never met). Under strict dtype promotion
+    (``jax.numpy_dtype_promotion("strict")``, where bfloat16 + float32 raises)
+    they are bfloat16 instead, and a new weight closer to zero than about the
+    size of its step cannot be reached: bfloat16 numbers near the step are too
+    far apart, and the weight lands within half an ulp of ``u`` instead (about
+    0.35% of element updates on the char transformer). For ``"bfloat16-sr"``
+    that error is 1/256 of the step; for ``"bfloat16-exact"`` it ends the
+    bit-exactness of that weight. ``CompactState.num_missed`` counts the
+    elements that missed.
 
     Random bits come from a counter hash of (``seed``, step, leaf, global
     element index): a few integer ops per element, and the same bits however
@@ -414,6 +418,10 @@ def compact_state(
         _, specs = layout(params)
         out_u, out_r = [], []
         missed = state.num_missed
+        # A float32 update lands where a bfloat16 one may not (see above);
+        # strict promotion refuses bfloat16 + float32 in `apply_updates`.
+        strict = jax.config.jax_numpy_dtype_promotion == "strict"
+        update_dtype = jnp.bfloat16 if strict else jnp.float32
         for i, (p, u, m, path) in enumerate(
             zip(p_flat, u_flat, m_flat, path_flat, strict=True)
         ):
@@ -427,7 +435,7 @@ def compact_state(
                     _index(p, spec), count, bits_lib.stream_constant(seed, i, _WEIGHTS)
                 )
                 target = bits_lib.round_bfloat16_stochastic(new32, rnd)
-            step, landed = bits_lib.landing_update(p, target)
+            step, landed = bits_lib.landing_update(p, target, update_dtype)
             missed = missed + jnp.sum(~landed, dtype=jnp.int32)
             out_u.append(step)
         if specs:
