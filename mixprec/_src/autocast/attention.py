@@ -1049,17 +1049,18 @@ def _prove(
     ref_ids = names.of_jaxpr(ref.jaxpr, ref.consts, leaves)
     stop = frozenset(leaves)
     wanted = names.ancestors(ref_ids, stop) - stop
+    by_name = jaxprs.eqns_by_name(jaxpr)
     region = frozenset(
         i
-        for i, e in enumerate(jaxpr.eqns)
+        for n in wanted
+        for i in by_name.get(n, ())
         if i not in m.region
         and i not in dead
-        and e.outvars
-        and all(ids.get(o) in wanted for o in e.outvars)
+        and all(ids.get(o) in wanted for o in jaxpr.eqns[i].outvars)
     )
     if not region:
         return None
-    produced = {o: i for i in region for o in jaxpr.eqns[i].outvars}
+    produced = {o: i for i in sorted(region) for o in jaxpr.eqns[i].outvars}
     by_id = {ids[o]: o for o in produced}
     grads = tuple(by_id.get(r) for r in ref_ids)
     if all(g is None for g in grads):

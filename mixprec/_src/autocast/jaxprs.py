@@ -240,3 +240,18 @@ def structural_names(jaxpr: Jaxpr) -> StructuralNames:
     names._run(jaxpr, env)
     names.of = env
     return names
+
+
+@_per_jaxpr
+def eqns_by_name(jaxpr: Jaxpr) -> dict[int, tuple[int, ...]]:
+    """The indices of the equations of ``jaxpr`` that compute a variable of
+    each structural name (see `structural_names`): finding the equations of a
+    set of names is then a look-up, not a scan of the program."""
+    of = structural_names(jaxpr).of
+    out: dict[int, list[int]] = {}
+    for i, e in enumerate(jaxpr.eqns):
+        for o in e.outvars:
+            n = of.get(o)
+            if n is not None and (not out.get(n) or out[n][-1] != i):
+                out.setdefault(n, []).append(i)
+    return {n: tuple(i) for n, i in out.items()}
