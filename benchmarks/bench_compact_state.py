@@ -206,10 +206,15 @@ def summarize(results: dict[str, Any]) -> list[dict[str, Any]]:
     runs = results["runs"]
     f32 = {r["seed"]: r["eval_loss"] for r in runs if r["variant"] == "float32"}
     rows = []
-    variants = list(dict.fromkeys(r["variant"] for r in runs))
+    # The default variants first, in their order, then the other tiers.
+    order = list(dict.fromkeys((*DEFAULT, *TIERS)))
+    variants = sorted(
+        dict.fromkeys(r["variant"] for r in runs),
+        key=lambda v: order.index(v) if v in order else len(order),
+    )
     base_t = results.get("update_seconds", {}).get("bf16-rtn")
     for v in variants:
-        rs = [r for r in runs if r["variant"] == v]
+        rs = sorted((r for r in runs if r["variant"] == v), key=lambda r: r["seed"])
         gaps = [r["eval_loss"] - f32[r["seed"]] for r in rs if r["seed"] in f32]
         t = results.get("update_seconds", {}).get(v)
         rows.append(

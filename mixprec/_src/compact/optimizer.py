@@ -214,8 +214,9 @@ def compact_state(
     The returned updates work with ``optax.apply_updates`` unchanged: for the
     bfloat16 tiers they are float32, and ``(p + u).astype(p.dtype)`` lands
     exactly on the rounded new weight (it misses only where the new weight is
-    more than about 2**16 times smaller than the old one, which the demo's
-    char transformer never met). Under strict dtype promotion
+    more than about 2**16 times smaller than the old one: about 23 of 426
+    million element updates in 1000 steps of the demo's char transformer).
+    Under strict dtype promotion
     (``jax.numpy_dtype_promotion("strict")``, where bfloat16 + float32 raises)
     they are bfloat16 instead, and a new weight closer to zero than about the
     size of its step cannot be reached: bfloat16 numbers near the step are too
