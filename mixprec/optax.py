@@ -291,7 +291,9 @@ def loss_scaled(
             # One device's inf must make every device skip: give
             # `apply_if_finite` the global verdict.
             updates = _poison(updates, finite)
-        updates = _as_inner_returns(inner, updates, state.inner_state, params, extra_args)
+        updates = _as_inner_returns(
+            inner, updates, state.inner_state, params, extra_args
+        )
         s = optax.ApplyIfFiniteState(
             notfinite_count=state.num_consecutive_skipped,
             last_finite=state.last_finite,

@@ -421,7 +421,8 @@ def compact_state(
         missed = state.num_missed
         # A float32 update lands where a bfloat16 one may not (see above);
         # strict promotion refuses bfloat16 + float32 in `apply_updates`.
-        strict = jax.config.jax_numpy_dtype_promotion == "strict"
+        promotion = jax.config.jax_numpy_dtype_promotion  # type: ignore[attr-defined]
+        strict = promotion == "strict"
         update_dtype = jnp.bfloat16 if strict else jnp.float32
         for i, (p, u, m, path) in enumerate(
             zip(p_flat, u_flat, m_flat, path_flat, strict=True)
