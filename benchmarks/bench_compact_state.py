@@ -177,10 +177,17 @@ def run(
     return out
 
 
-def update_times(workload: Any, variants: list[str], rounds: int) -> dict[str, float]:
-    """Median seconds of one optimizer update + apply_updates, interleaved."""
+def update_times(
+    workload: Any, variants: list[str], rounds: int
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Median seconds of one optimizer update + apply_updates, interleaved; and
+    the bytes per parameter the update reads and writes at the least (its
+    inputs and outputs: params, state and gradients in, params and state out),
+    what bounds it on a device where it is memory-bound."""
     params32 = workload.init(jax.random.key(0))
+    n_params = sum(x.size for x in jax.tree.leaves(params32))
     fns = {}
+    io_bytes = {}
     for variant in variants:
         opt, dtype = make_optimizer(variant, 1000)
         weights = variant.split("/")[0] if "/" in variant else None
@@ -197,9 +204,17 @@ def update_times(workload: Any, variants: list[str], rounds: int) -> dict[str, f
             return optax.apply_updates(p, u), s
 
         f = jax.jit(upd).lower(params, state, grads).compile()
+        outs = jax.eval_shape(upd, params, state, grads)
+        io_bytes[variant] = (
+            sum(
+                x.size * x.dtype.itemsize
+                for x in jax.tree.leaves((params, state, grads))
+            )
+            + sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(outs))
+        ) / n_params
         fns[variant] = lambda f=f, p=params, s=state, g=grads: f(p, s, g)
     times = timing.interleaved(fns, rounds=rounds, warmup=3)
-    return {k: timing.median(v) for k, v in times.items()}
+    return {k: timing.median(v) for k, v in times.items()}, io_bytes
 
 
 def summarize(results: dict[str, Any]) -> list[dict[str, Any]]:
@@ -231,6 +246,9 @@ def summarize(results: dict[str, Any]) -> list[dict[str, Any]]:
                 "num_missed": [r["num_missed"] for r in rs],
                 "update_ms": None if t is None else t * 1e3,
                 "update_vs_rtn": timing.ratio(t, base_t) if t and base_t else None,
+                "update_io_bytes_per_param": results.get(
+                    "update_io_bytes_per_param", {}
+                ).get(v),
             }
         )
     return rows
@@ -271,8 +289,9 @@ def table(results: dict[str, Any]) -> str:
     lines = [
         "| variant (weights/moments) | seeds | eval loss "
         "| mean gap to float32 ± std. error (nats) "
-        "| bytes/param | update ms | vs bf16-rtn update | missed landings | targets |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| bytes/param | update ms | vs bf16-rtn update | update I/O B/param "
+        "| missed landings | targets |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in summarize(results):
         gap = "–" if row["mean_gap"] is None else f"{row['mean_gap']:+.4f}"
@@ -281,10 +300,12 @@ def table(results: dict[str, Any]) -> str:
         ms = "–" if row["update_ms"] is None else f"{row['update_ms']:.2f}"
         ratio = "–" if row["update_vs_rtn"] is None else f"{row['update_vs_rtn']:.2f}x"
         missed = ", ".join("–" if m is None else str(m) for m in row["num_missed"])
+        io = row["update_io_bytes_per_param"]
+        io = "–" if io is None else f"{io:.2f}"
         lines.append(
             f"| {row['variant']} | {', '.join(map(str, row['seeds']))} | "
             f"{', '.join(f'{x:.4f}' for x in row['eval_loss'])} | {gap} | "
-            f"{row['bytes_per_param']:.2f} | {ms} | {ratio} | {missed} | "
+            f"{row['bytes_per_param']:.2f} | {ms} | {ratio} | {io} | {missed} | "
             f"{_verdict(row)} |"
         )
     env = results["environment"]
@@ -379,7 +400,12 @@ def main(argv: list[str] | None = None) -> int:
         path_md.write_text(table(results) + "\n")
 
     if args.no_timing and old is not None:  # keep the timings measured before
-        for key in ("update_seconds", "timing_environment", "timing_command"):
+        for key in (
+            "update_seconds",
+            "update_io_bytes_per_param",
+            "timing_environment",
+            "timing_command",
+        ):
             if key in old:
                 results[key] = old[key]
     if args.no_timing and args.timing_only:
@@ -387,15 +413,24 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_timing:
         results["timing_command"] = command
         timed = list(dict.fromkeys(["bf16-rtn", *args.variants]))
-        results["update_seconds"] = update_times(workload, timed, args.rounds)
+        results["update_seconds"], results["update_io_bytes_per_param"] = update_times(
+            workload, timed, args.rounds
+        )
         results["timing_environment"] = timing.environment()
         save()
     if args.timing_only:
         env = results["timing_environment"]
         base = results["update_seconds"]["bf16-rtn"]
-        print("| variant | update ms | vs bf16-rtn |\n|---|---|---|")
+        io = results["update_io_bytes_per_param"]
+        print(
+            "| variant | update ms | vs bf16-rtn | update I/O B/param | vs bf16-rtn |"
+            "\n|---|---|---|---|---|"
+        )
         for v, t in results["update_seconds"].items():
-            print(f"| {v} | {t * 1e3:.2f} | {timing.ratio(t, base):.2f}x |")
+            print(
+                f"| {v} | {t * 1e3:.2f} | {timing.ratio(t, base):.2f}x | "
+                f"{io[v]:.2f} | {io[v] / io['bf16-rtn']:.2f}x |"
+            )
         print(
             f"\nJAX {env['jax']}; {env['cpu_model']} "
             f"({timing.flags_summary(env['cpu_flags'])}); {env['date']}; "
