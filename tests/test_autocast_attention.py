@@ -56,6 +56,14 @@ def gpt_causal(q, k, v):
     return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, axis=-1), v)
 
 
+def sqrt_scale(q, k, v):
+    # The scale as people write it: a function of the head dimension that
+    # JAX stages as equations, not a literal.
+    s = jnp.einsum("bthd,bshd->bhts", q, k) / jnp.sqrt(q.shape[-1]).astype(q.dtype)
+    s = jnp.where(_causal(q.shape[1]), s, jnp.finfo(s.dtype).min)
+    return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, axis=-1), v)
+
+
 def plain(q, k, v):
     s = jnp.einsum("bthd,bshd->bhts", q, k) * 0.125
     return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, axis=-1), v)
@@ -139,6 +147,7 @@ def _args(name):
 
 POSITIVE = {
     "gpt_causal": gpt_causal,
+    "sqrt_scale": sqrt_scale,
     "plain": plain,
     "padding": padding,
     "additive": additive,
@@ -167,6 +176,53 @@ def test_attention_is_one_entry_with_its_reason_and_line(name):
     assert op.flops == 2 * (2 * B * N * T * T * H)
     if name in ("gpt_causal", "dpa_causal"):
         assert "causal mask" in op.reason
+
+
+# How people write the scale: (divide or multiply, the constant as a function
+# of the head dimension, which JAX stages as equations, not a literal).
+_SCALES = {
+    "sqrt": ("div", lambda d: jnp.sqrt(d)),
+    "sqrt_cast": ("div", lambda d: jnp.sqrt(d).astype(jnp.float32)),
+    "rsqrt": ("mul", lambda d: jax.lax.rsqrt(jnp.float32(d))),
+    "pow": ("mul", lambda d: jnp.float32(d) ** -0.5),
+    "sqrt_of_reciprocal": ("mul", lambda d: jnp.sqrt(1.0 / d)),
+}
+
+
+@pytest.mark.parametrize("form", sorted(_SCALES))
+def test_scale_written_as_a_function_of_constants_is_the_same_attention(
+    form, monkeypatch
+):
+    # Each form of sqrt(48) or its reciprocal (inexact in float32) is found
+    # with the value the program computes: the fused formulation gives what
+    # the same attention with that value as a literal gives, bit for bit.
+    monkeypatch.setattr(attention_rule, "_IMPLEMENTATION", "xla")
+    _pin_cuda_attention(monkeypatch)
+    q, k, v = (x[..., :48] for x in _qkv())
+    op, constant = _SCALES[form]
+
+    def attend(c):
+        def fn(q, k, v):
+            s = jnp.einsum("bthd,bshd->bhts", q, k)
+            s = s / c(q.shape[-1]) if op == "div" else s * c(q.shape[-1])
+            return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, axis=-1), v)
+
+        return fn
+
+    written = attend(constant)
+    value = float(np.asarray(constant(48)))
+    literal = attend(lambda d: value)
+    assert len(_fused(written, q, k, v)) == 1
+    got = jax.jit(mixprec.autocast(written, "mixed_bfloat16"))(q, k, v)
+    want = jax.jit(mixprec.autocast(literal, "mixed_bfloat16"))(q, k, v)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    # A scale computed from the inputs is not a constant: not this attention.
+
+    def data(q, k, v):
+        s = jnp.einsum("bthd,bshd->bhts", q, k) / jnp.sqrt(jnp.sum(q * q))
+        return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, axis=-1), v)
+
+    assert _fused(data, q, k, v) == []
 
 
 @pytest.mark.parametrize("name", sorted(NEGATIVE))

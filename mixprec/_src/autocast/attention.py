@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -280,17 +280,41 @@ def _view_labels(eqn: JaxprEqn, labels: tuple[Label, ...]) -> tuple[Label, ...]:
     return tuple(next(it) if n != 1 else None for n in out)
 
 
+# Scalar functions of literals a scale is written with (``/ jnp.sqrt(d)``,
+# ``* lax.rsqrt(d)``, ``/ (d ** 0.5)``), evaluated as the program would in
+# its float dtype (each correctly rounded).
+_SCALAR_FNS: dict[str, Callable[..., Any]] = {
+    "sqrt": np.sqrt,
+    "rsqrt": lambda x: np.reciprocal(np.sqrt(x)),
+    "mul": np.multiply,
+    "div": np.divide,
+    "pow": np.power,
+}
+
+
 def _scalar_literal(jaxpr: Jaxpr, v: Any) -> float | None:
-    """The value of a scalar literal, possibly broadcast or converted."""
+    """The value of a scalar literal, possibly broadcast or converted, or of
+    a scalar function of such values (see ``_SCALAR_FNS``)."""
     if isinstance(v, Literal):
         return float(np.asarray(v.val)) if np.ndim(v.val) == 0 else None
     eqn = jaxprs.producers(jaxpr).get(v)
-    if eqn is not None and eqn.primitive.name in (
-        "broadcast_in_dim",
-        "convert_element_type",
-    ):
+    if eqn is None:
+        return None
+    name = eqn.primitive.name
+    if name in ("broadcast_in_dim", "convert_element_type"):
         return _scalar_literal(jaxpr, eqn.invars[0])
-    return None
+    fn = _SCALAR_FNS.get(name)
+    out = eqn.outvars[0]
+    dtype = getattr(getattr(out, "aval", None), "dtype", None)
+    if fn is None or _shape(out) or dtype is None:
+        return None
+    if not np.issubdtype(dtype, np.floating):
+        return None
+    args = [_scalar_literal(jaxpr, u) for u in eqn.invars]
+    if any(a is None for a in args):
+        return None
+    with np.errstate(all="ignore"):
+        return float(fn(*(np.asarray(a, dtype) for a in args)))
 
 
 def _is_fill(v: Any, given: dict[Any, Any]) -> bool:
