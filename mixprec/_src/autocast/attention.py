@@ -24,7 +24,8 @@ as one unit through :func:`fused`, formulated per platform
 
 The chain is recognised only where it is provably attention: each
 intermediate value has no other use, the softmax normalises over the keys'
-axis of the scores, the scale is a constant scalar, a mask fills with a
+axis of the scores, the scale is a constant scalar (a literal or a scalar
+function of literals, e.g. ``/ jnp.sqrt(d)``), a mask fills with a
 value below ``-1e7`` (after scaling) and the values are contracted over that
 same axis. Dropout on the weights, a softmax over another axis, a per-head
 scale array, or any other normalisation is left alone.
