@@ -433,7 +433,7 @@ def _cuda_text(fn, *args):
     return exp(*args).mlir_module()
 
 
-@pytest.mark.parametrize("name", ["gpt_causal", "dpa_causal", "plain"])
+@pytest.mark.parametrize("name", ["gpt_causal", "dpa_causal", "plain", "sqrt_scale"])
 def test_cuda_export_runs_cudnn_attention_forward_and_backward(name, monkeypatch):
     monkeypatch.setattr(
         _compat.cudnn_attention_module(), "check_cudnn_version", lambda: 91000
@@ -452,7 +452,11 @@ def test_cuda_export_runs_cudnn_attention_forward_and_backward(name, monkeypatch
     assert "stablehlo.exponential" not in fwd
     mask_type = re.search(r"mask_type\\22: \\22(\w+)", fwd)
     assert mask_type is not None
-    assert mask_type.group(1) == ("CAUSAL" if "causal" in name else "NO_MASK")
+    causal = name in ("gpt_causal", "dpa_causal", "sqrt_scale")
+    assert mask_type.group(1) == ("CAUSAL" if causal else "NO_MASK")
+    # Every one of them scales by 1/sqrt(64), however it is written.
+    scales = re.findall(r"fmha_scale\\22: ([0-9.e+-]+)", fwd)
+    assert [float(x) for x in scales] == [1 / math.sqrt(H)], scales
     bwd = _cuda_text(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)
     calls = set(re.findall(r"custom_call @([\w$]+)", bwd))
     assert "__cudnn$fmhaSoftmaxBackward" in calls, calls
