@@ -150,15 +150,15 @@ def _assert_bitwise(got, want):
 
 # ------------------------------------------------------------------ loss and grads
 
-# Compilation is most of this module's time. The tests' jits compile with
-# LLVM's optimizer off, and the loss tests' also without LLVM's expensive
-# passes; both options exist in every supported JAX. The jaxprs, and so
-# everything autocast decides, are the same. Train steps keep the rest of XLA's
-# default pipeline, which their bitwise check is about. LLVM's optimizer
-# vectorises float32 reductions in an order that depends on what is fused
-# around them: at its default level, a whole AdamW step sums the clipping norm
-# in another order than the update alone (same float32 ops in both jaxprs), 10
-# ulps apart.
+# Compilation is most of this module's time. The whole suite compiles with
+# LLVM's optimizer off (conftest.py); this module's jits say so themselves, so
+# that it holds when the suite runs with JAX's defaults: the train steps'
+# bitwise check needs it. LLVM's optimizer vectorises float32 reductions in an
+# order that depends on what is fused around them: at its default level, a
+# whole AdamW step sums the clipping norm in another order than the update
+# alone (same float32 ops in both jaxprs), 10 ulps apart. The loss tests also
+# go without LLVM's expensive passes. Both options exist in every supported
+# JAX; the jaxprs, and so everything autocast decides, are the same.
 STEP_COMPILE = {"xla_backend_optimization_level": 0}
 FAST_COMPILE = {**STEP_COMPILE, "xla_llvm_disable_expensive_passes": True}
 
