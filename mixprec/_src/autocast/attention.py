@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -281,41 +281,43 @@ def _view_labels(eqn: JaxprEqn, labels: tuple[Label, ...]) -> tuple[Label, ...]:
     return tuple(next(it) if n != 1 else None for n in out)
 
 
-# Scalar functions of literals a scale is written with (``/ jnp.sqrt(d)``,
-# ``* lax.rsqrt(d)``, ``/ (d ** 0.5)``), evaluated as the program would in
-# its float dtype (each correctly rounded).
-_SCALAR_FNS: dict[str, Callable[..., Any]] = {
-    "sqrt": np.sqrt,
-    "rsqrt": lambda x: np.reciprocal(np.sqrt(x)),
-    "mul": np.multiply,
-    "div": np.divide,
-    "pow": np.power,
-}
-
-
 def _scalar_literal(jaxpr: Jaxpr, v: Any) -> float | None:
-    """The value of a scalar literal, possibly broadcast or converted, or of
-    a scalar function of such values (see ``_SCALAR_FNS``)."""
+    """The value of a scalar literal, possibly broadcast or converted, or of a
+    scalar computed from such values only (``/ jnp.sqrt(d)``, ``* lax.rsqrt(d)``,
+    ``d ** -0.5``): the value the program computes."""
+    x = _scalar_value(jaxpr, v)
+    return None if x is None else float(x)
+
+
+def _scalar_value(jaxpr: Jaxpr, v: Any) -> Any:
+    # Evaluated equation by equation as written, like `_concrete`, but only
+    # through scalars: a scale's few equations, never a tensor's history.
     if isinstance(v, Literal):
-        return float(np.asarray(v.val)) if np.ndim(v.val) == 0 else None
+        return v.val if np.ndim(v.val) == 0 else None
     eqn = jaxprs.producers(jaxpr).get(v)
     if eqn is None:
         return None
     name = eqn.primitive.name
-    if name in ("broadcast_in_dim", "convert_element_type"):
-        return _scalar_literal(jaxpr, eqn.invars[0])
-    fn = _SCALAR_FNS.get(name)
-    out = eqn.outvars[0]
-    dtype = getattr(getattr(out, "aval", None), "dtype", None)
-    if fn is None or _shape(out) or dtype is None:
+    if name == "broadcast_in_dim":
+        return _scalar_value(jaxpr, eqn.invars[0])
+    if name == "convert_element_type" and _shape(v):  # of a broadcast scalar
+        x = _scalar_value(jaxpr, eqn.invars[0])
+        return None if x is None else np.asarray(x).astype(v.aval.dtype)
+    if (
+        _shape(v)
+        or not eqn.invars  # (axis_index: a value of where it runs)
+        or eqn.effects
+        or len(eqn.outvars) != 1
+        or _is_extended(v)
+        or jaxprs.has_jaxpr_params(eqn.params)
+        or any(_shape(u) or _is_extended(u) for u in eqn.invars)
+    ):
         return None
-    if not np.issubdtype(dtype, np.floating):
-        return None
-    args = [_scalar_literal(jaxpr, u) for u in eqn.invars]
+    args = [_scalar_value(jaxpr, u) for u in eqn.invars]
     if any(a is None for a in args):
         return None
-    with np.errstate(all="ignore"):
-        return float(fn(*(np.asarray(a, dtype) for a in args)))
+    with jax.ensure_compile_time_eval():
+        return np.asarray(jaxprs.bind_as_written(eqn, args)[0])
 
 
 def _is_fill(v: Any, given: dict[Any, Any]) -> bool:
