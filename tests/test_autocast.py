@@ -366,6 +366,74 @@ def test_eager_and_traced_calls_agree():
     assert_trees_close(grads, jax.grad(loss)(params, X), dtype=BF16)
 
 
+def test_first_staged_call_walks_in_place_and_later_ones_reuse_one_build():
+    # Inside jit the first call at given types is walked into the caller's
+    # trace (nothing cached); the second builds and caches the transformed
+    # jaxpr, the third copies it. All three stage the same program, with and
+    # without grad, a closed-over constant and a loop included.
+    traces = []
+    bias = np.linspace(-1.0, 1.0, 16, dtype=np.float32)[None]
+
+    def loss(w, x):
+        traces.append(1)
+        h = jnp.tanh(x @ w + bias)
+        h = lax.fori_loop(0, 2, lambda i, h: jnp.tanh(h @ w), h)
+        return jnp.mean(h**2)
+
+    g = mixprec.autocast(loss, "mixed_bfloat16")
+    w = jnp.eye(16) * 0.5
+    x = jnp.ones((4, 16))
+    # (a fresh caller each time: JAX caches the trace of a function it saw)
+    staged = [str(jax.make_jaxpr(lambda w, x: g(w, x))(w, x)) for _ in range(3)]
+    assert staged[0] == staged[1] == staged[2]
+    assert len(traces) == 2  # walked in place, then built once
+    assert "bf16" in staged[0]
+    h = mixprec.autocast(loss, "mixed_bfloat16")
+    grads = [
+        str(jax.make_jaxpr(jax.grad(lambda w, x: h(w, x)))(w, x)) for _ in range(3)
+    ]
+    assert grads[0] == grads[1] == grads[2]
+    np.testing.assert_array_equal(
+        np.asarray(jax.jit(jax.grad(h))(w, x)), np.asarray(jax.grad(h)(w, x))
+    )
+
+
+def test_equations_left_as_written_are_recorded_as_traced(monkeypatch):
+    # An equation whose operands autocast leaves as traced is copied into the
+    # new jaxpr with the results' types it records, not bound again: the
+    # program staged is the one binding every equation stages.
+    from mixprec._src import _compat
+    from mixprec._src.workloads import gpt2
+
+    cfg = gpt2.GPT2Config(
+        vocab_size=32, seq_len=8, d_model=16, num_heads=2, num_layers=1
+    )
+    params = jax.tree.map(jnp.asarray, gpt2.init(cfg))
+    tokens = jnp.zeros((2, cfg.seq_len), jnp.int32)
+
+    def step(params, tokens):
+        loss, grads = jax.value_and_grad(gpt2.loss)(params, tokens, tokens, config=cfg)
+        return loss, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+    emit = _compat.emit_as_written
+    copied = []
+
+    def counting(eqn, invals):
+        out = emit(eqn, invals)
+        copied.append(out is not None)
+        return out
+
+    def staged():
+        cast_step = mixprec.autocast(step, "mixed_bfloat16")
+        return str(jax.make_jaxpr(cast_step)(params, tokens))
+
+    monkeypatch.setattr(_compat, "emit_as_written", counting)
+    fast = staged()
+    assert sum(copied) > 100
+    monkeypatch.setattr(_compat, "emit_as_written", lambda eqn, invals: None)
+    assert staged() == fast
+
+
 def test_is_staging_tells_jit_from_eager_transforms():
     from mixprec._src import _compat
 

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 from jax._src import api_util as _api_util, core as _core
 from jax._src.interpreters import ad as _ad, partial_eval as _pe
-from jax.extend import linear_util as _lu
+from jax.extend import linear_util as _lu, source_info_util as _siu
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
 
@@ -214,6 +214,70 @@ def eval_closed_jaxpr(closed: ClosedJaxpr, *args: Any) -> list[Any]:
         )
         return [trace.to_jaxpr_tracer(x, src) for x in out]
     return _core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
+
+
+def as_staged(values: Sequence[Any]) -> list[Any]:
+    """``values`` as tracers of the trace that stages out to a jaxpr beneath
+    the current one (``jit``'s, under ``grad`` or ``vmap`` in ``jit``): what
+    they would be as arguments of a jaxpr traced there. Tracers are kept."""
+    trace = _core.trace_ctx.trace
+    for _ in range(256):
+        if trace is None or isinstance(trace, _pe.DynamicJaxprTrace):
+            break
+        trace = getattr(trace, "parent_trace", None)
+    if not isinstance(trace, _pe.DynamicJaxprTrace):
+        raise ValueError("`as_staged` needs a trace that stages out (inside `jit`).")
+    src = _siu.current()
+    return [x if is_tracer(x) else trace.to_jaxpr_tracer(x, src) for x in values]
+
+
+# Primitives whose staging does more than record the equation (constant
+# folding, forwarding an input, their own staging rule): always bound.
+_STAGED_SPECIALLY = frozenset(
+    [*_pe.const_fold_rules, *_pe.forwarding_rules, *_pe.custom_staging_rules]
+)
+
+
+def emit_as_written(eqn: Any, invals: Sequence[Any]) -> list[Any] | None:
+    """Records ``eqn`` as it is in the jaxpr being traced, or returns ``None``.
+
+    When the current trace stages out to a jaxpr and ``invals`` are exactly
+    what ``eqn`` was traced with (the literals it holds, tracers of this trace
+    with its operands' abstract values), binding it would compute its results'
+    abstract values again only to find the ones ``eqn`` records: the equation
+    is recorded with those, as ``jax.jit(..., inline=True)`` copies a jaxpr.
+    ``None`` (nothing recorded) wherever that does not hold, or staging the
+    primitive does more than record it; the caller then binds it.
+    """
+    trace = _core.trace_ctx.trace
+    if type(trace) is not _pe.DynamicJaxprTrace:
+        return None
+    prim = eqn.primitive
+    if eqn.effects or prim in _STAGED_SPECIALLY:
+        return None
+    src = None
+    in_tracers = []
+    traced = False
+    for v, x in zip(eqn.invars, invals, strict=True):
+        if type(v) is _core.Literal:
+            if x is not v.val:
+                return None
+            if src is None:
+                src = _siu.current()
+            in_tracers.append(_pe.DynamicJaxprTracer(trace, v.aval, v, src))
+        elif (
+            type(x) is _pe.DynamicJaxprTracer and x._trace is trace and x.aval == v.aval
+        ):
+            in_tracers.append(x)
+            traced = True
+        else:
+            return None
+    if not traced:  # all literals: JAX may fold it eagerly
+        return None
+    out_avals = [v.aval for v in eqn.outvars]
+    if src is None:
+        src = _siu.current()
+    return trace.emit_eqn(in_tracers, out_avals, prim, eqn.params, eqn.effects, src)
 
 
 def convert_constvars_jaxpr(jaxpr: Jaxpr) -> Jaxpr:

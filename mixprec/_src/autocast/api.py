@@ -13,6 +13,14 @@ How a call works:
    configuration, region). Called eagerly, the transformed jaxpr runs through a
    ``jax.jit(..., inline=True)``, so a second call neither re-traces nor
    re-compiles; inside ``jit`` it is evaluated in place.
+
+Inside ``jit``, the first call of a function at given types is walked straight
+into the caller's trace instead (step 3 without a jaxpr of its own, nothing
+cached): a function traced once, as a jitted step is, costs one walk and no
+copy, and under ``grad`` its equations are differentiated as they are walked,
+not traced once more from a copy. A second call at the same types builds and
+caches the transformed jaxpr, so that a function called many times in one
+trace (a block autocast per layer) is walked twice, not once per call.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ import functools as ft
 import os
 import threading
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import jax
@@ -73,6 +81,7 @@ class _Cache:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._weak: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.misses = 0
 
     def get(self, fn: Any, key: Any) -> _Entry | None:
@@ -81,6 +90,22 @@ class _Cache:
         except TypeError:
             return None
         return None if table is None else table.get(key)
+
+    def first_sight(self, fn: Any, key: Any) -> bool:
+        """Whether ``(fn, key)`` was not seen before (now it has been); always
+        true where it cannot be cached (no key, ``fn`` not weakly
+        referenceable)."""
+        if key is None:
+            return True
+        with self._lock:
+            try:
+                seen = self._seen.setdefault(fn, set())
+            except TypeError:
+                return True
+            if key in seen:
+                return False
+            seen.add(key)
+            return True
 
     def put(self, fn: Any, key: Any, entry: _Entry) -> None:
         with self._lock:
@@ -235,25 +260,10 @@ def _build(
     """Traces ``fn``, walks its jaxpr and traces the result. With ``state_out``,
     ``fn`` returns ``(result, state)`` and the state keeps its traced dtypes."""
     source = trace_source(fn, config, leaves, treedef, dyn_idx, state_out)
-    jaxpr, consts = source.jaxpr, source.consts
-    walk = region_walk(config, observer)
-    marks = source.in_marks()
-    out_dtype = config.policy.output_dtype
-
-    # State written back into the caller's objects keeps the dtype the function
-    # gives it without autocast; everything else gets the policy's output dtype.
-    # (None: not a float, e.g. an RNG key of an `nnx.Rngs`; left as it is.)
-    out_dtypes = [
-        (_float_or_none(getattr(v.aval, "dtype", None)) if is_state else out_dtype)
-        for v, is_state in zip(jaxpr.outvars, source.is_state, strict=True)
-    ]
+    consts = source.consts
 
     def interp(*vals: Any) -> list[Any]:
-        outs, _ = interpreter.eval_jaxpr(walk, jaxpr, [], vals, marks, consts)
-        return [
-            o if d is None else _cast_output(o, d)
-            for o, d in zip(outs, out_dtypes, strict=True)
-        ]
+        return _walk(source, config, vals, observer)
 
     name = getattr(fn, "__name__", type(fn).__name__)
     const_avals = [_compat.get_aval(c) for c in consts]
@@ -277,6 +287,33 @@ def _build(
         transformed=transformed,
         source=source.closed,
     )
+
+
+def _walk(
+    source: Source,
+    config: CastConfig,
+    vals: Sequence[Any],
+    observer: Observer | None = None,
+) -> list[Any]:
+    """Walks ``source`` on ``vals`` (its constants, then its arguments) in the
+    current trace; returns its dynamic outputs in their output dtypes."""
+    jaxpr = source.jaxpr
+    walk = region_walk(config, observer)
+    out_dtype = config.policy.output_dtype
+    outs, _ = interpreter.eval_jaxpr(
+        walk, jaxpr, [], vals, source.in_marks(), source.consts
+    )
+    # State written back into the caller's objects keeps the dtype the function
+    # gives it without autocast; everything else gets the policy's output dtype.
+    # (None: not a float, e.g. an RNG key of an `nnx.Rngs`; left as it is.)
+    out_dtypes = [
+        (_float_or_none(getattr(v.aval, "dtype", None)) if is_state else out_dtype)
+        for v, is_state in zip(jaxpr.outvars, source.is_state, strict=True)
+    ]
+    return [
+        o if d is None else _cast_output(o, d)
+        for o, d in zip(outs, out_dtypes, strict=True)
+    ]
 
 
 def _split(args: tuple, kwargs: dict) -> tuple[list[Any], Any, list[int], Any]:
@@ -305,12 +342,17 @@ def _run(
         avals = tuple(_compat.get_aval(x) for x in dyn)
         key = (treedef, tuple(dyn_idx), skey, avals, config, region_key, _config_key())
         entry = _cache.get(fn, key)
+    staging = _compat.is_staging()
     if entry is None:
         _cache.misses += 1
+        if staging and _cache.first_sight(fn, key):
+            source = trace_source(fn, config, leaves, treedef, dyn_idx, state_out)
+            consts = _compat.as_staged(source.consts)
+            return _unflatten(source, iter(_walk(source, config, [*consts, *dyn])))
         entry = _build(fn, config, leaves, treedef, dyn_idx, state_out=state_out)
         if key is not None and not any(_compat.is_tracer(c) for c in entry.consts):
             _cache.put(fn, key, entry)
-    if _compat.is_staging():
+    if staging:
         # Being staged out (inside jit): run the transformed jaxpr inline. A
         # nested jit would be linearized and partially evaluated as a whole
         # under `grad`, which took more trace time than the step itself.
@@ -318,11 +360,17 @@ def _run(
         outs = iter(_compat.eval_closed_jaxpr(entry.transformed, *entry.consts, *dyn))
     else:
         outs = iter(entry.call(*entry.consts, *dyn))
+    return _unflatten(entry, outs)
+
+
+def _unflatten(built: _Entry | Source, outs: Iterator[Any]) -> Any:
+    """The call's result: the static output leaves of ``built``, the dynamic
+    ones from ``outs``."""
     out_leaves = [
-        entry.out_static[i] if i in entry.out_static else next(outs)
-        for i in range(entry.n_out)
+        built.out_static[i] if i in built.out_static else next(outs)
+        for i in range(built.n_out)
     ]
-    return jax.tree.unflatten(entry.out_tree, out_leaves)
+    return jax.tree.unflatten(built.out_tree, out_leaves)
 
 
 @dataclasses.dataclass

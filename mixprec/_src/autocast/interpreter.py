@@ -79,6 +79,7 @@ from mixprec._src.autocast.operands import (
     cast_operands,
     default_rule,
     ran_with,
+    run_default,
     run_own,
 )
 
@@ -454,9 +455,8 @@ def _run_rule(
     rule = None if ctx.fused else ops.rule_for(spec)
     if rule is not None:
         outs = rule(ctx, *invals, **ctx.eqn.params)
-    else:
-        outs = default_rule(prim, ctx, *invals, **ctx.eqn.params)
-    return list(outs) if prim.multiple_results else [outs]
+        return list(outs) if prim.multiple_results else [outs]
+    return run_default(ctx, invals)
 
 
 def run_decided(

@@ -28,6 +28,7 @@ import numpy as np
 from jax import lax
 from jax.extend.core import ClosedJaxpr, JaxprEqn, Literal
 
+from mixprec._src import _compat
 from mixprec._src.autocast import jaxprs, ops
 from mixprec._src.autocast.avals import aval_dtype, aval_shape, float_dtype, same_shape
 from mixprec._src.autocast.decide import BIG, CONST, Decision, Precision
@@ -257,10 +258,30 @@ def _canonical_params(params: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def run_default(ctx: CastContext, invals: Sequence[Any]) -> list[Any]:
+    """:func:`default_rule` for ``ctx.eqn`` with its own parameters: an
+    equation whose operands the decision leaves as traced, and whose result
+    it does not round, is recorded as written, not bound again."""
+    eqn = ctx.eqn
+    operands = cast_operands(ctx, invals)
+    if ctx.decision.out_dtype is None:
+        outs = _compat.emit_as_written(eqn, operands)
+        if outs is not None:
+            return outs
+    out = _bind_and_round(eqn.primitive, ctx, operands, eqn.params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
 def default_rule(prim: Any, ctx: CastContext, *invals: Any, **params: Any) -> Any:
     """The rule for ops without their own: cast the operands as decided, bind
     the primitive, and round the result if the decision says so."""
-    out = bind(prim, cast_operands(ctx, invals), params)
+    return _bind_and_round(prim, ctx, cast_operands(ctx, invals), params)
+
+
+def _bind_and_round(
+    prim: Any, ctx: CastContext, operands: Sequence[Any], params: dict[str, Any]
+) -> Any:
+    out = bind(prim, operands, params)
     out_dtype = ctx.decision.out_dtype
     if out_dtype is None:
         return out
