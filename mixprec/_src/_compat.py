@@ -232,10 +232,25 @@ def as_staged(values: Sequence[Any]) -> list[Any]:
 
 
 # Primitives whose staging does more than record the equation (constant
-# folding, forwarding an input, their own staging rule): always bound.
+# folding, forwarding an input, their own staging rule): always bound. Except
+# two that are everywhere in a program: JAX's staging rules of `reshape` and
+# `broadcast_in_dim` with one operand (static shapes) only record it, and a
+# `broadcast_in_dim` is forwarded only where it keeps its operand's shape.
 _STAGED_SPECIALLY = frozenset(
     [*_pe.const_fold_rules, *_pe.forwarding_rules, *_pe.custom_staging_rules]
 )
+_RECORDED_WHEN_RESHAPING = frozenset(
+    p for p in _STAGED_SPECIALLY if p.name in ("reshape", "broadcast_in_dim")
+)
+
+
+def _staged_specially(eqn: Any) -> bool:
+    prim = eqn.primitive
+    if prim not in _STAGED_SPECIALLY:
+        return False
+    if prim not in _RECORDED_WHEN_RESHAPING or len(eqn.invars) != 1:
+        return True
+    return eqn.invars[0].aval.shape == eqn.outvars[0].aval.shape
 
 
 def emit_as_written(eqn: Any, invals: Sequence[Any]) -> list[Any] | None:
@@ -253,7 +268,7 @@ def emit_as_written(eqn: Any, invals: Sequence[Any]) -> list[Any] | None:
     if type(trace) is not _pe.DynamicJaxprTrace:
         return None
     prim = eqn.primitive
-    if eqn.effects or prim in _STAGED_SPECIALLY:
+    if eqn.effects or _staged_specially(eqn):
         return None
     src = None
     in_tracers = []

@@ -139,8 +139,20 @@ def backward_eqns(jaxpr: Jaxpr) -> frozenset[int]:
     )
 
 
+_PLAIN = frozenset([bool, int, float, str, type(None)])
+
+
 def param_key(x: Any) -> Any:
     """A hashable form of an equation parameter."""
+    t = type(x)
+    if t in _PLAIN:
+        return x
+    if t is tuple or t is list:
+        if all(type(y) in _PLAIN for y in x):  # shapes, axes: most of them
+            return tuple(x)
+        return tuple(param_key(y) for y in x)
+    if isinstance(x, np.dtype):
+        return x
     if isinstance(x, tuple | list):
         return tuple(param_key(y) for y in x)
     if isinstance(x, np.generic):
@@ -200,7 +212,7 @@ class StructuralNames:
     def _run(self, jaxpr: Jaxpr, env: dict[Any, int]) -> None:
         for e in jaxpr.eqns:
             ins = tuple(
-                self._literal(u) if type(u) is Literal else env[u] for u in e.invars
+                [self._literal(u) if type(u) is Literal else env[u] for u in e.invars]
             )
             inner = (
                 e.params.get("jaxpr") if e.primitive.name in ("jit", "pjit") else None
