@@ -12,11 +12,13 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 "$VENV/bin/python" -m pip install -q --upgrade "pip>=25.1"
-if [ "${1:-}" = "--tests" ]; then
-  "$VENV/bin/python" -m pip install -q -e ".[all]" --group tests --group dev
-else
-  "$VENV/bin/python" -m pip install -q -e ".[all]"
-fi
+# One resolution: the pinned JAX (if any) goes in with everything else.
+PINS=()
 if [ -n "${JAX_VERSION:-}" ]; then
-  "$VENV/bin/python" -m pip install -q "jax==$JAX_VERSION" "jaxlib==$JAX_VERSION"
+  PINS=("jax==$JAX_VERSION" "jaxlib==$JAX_VERSION")
+fi
+if [ "${1:-}" = "--tests" ]; then
+  "$VENV/bin/python" -m pip install -q -e ".[all]" "${PINS[@]}" --group tests --group dev
+else
+  "$VENV/bin/python" -m pip install -q -e ".[all]" "${PINS[@]}"
 fi
