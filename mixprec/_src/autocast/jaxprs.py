@@ -144,16 +144,11 @@ _PLAIN = frozenset([bool, int, float, str, type(None)])
 
 def param_key(x: Any) -> Any:
     """A hashable form of an equation parameter."""
-    t = type(x)
-    if t in _PLAIN:
-        return x
-    if t is tuple or t is list:
-        if all(type(y) in _PLAIN for y in x):  # shapes, axes: most of them
-            return tuple(x)
-        return tuple(param_key(y) for y in x)
-    if isinstance(x, np.dtype):
+    if type(x) in _PLAIN or isinstance(x, np.dtype):
         return x
     if isinstance(x, tuple | list):
+        if all(type(y) in _PLAIN for y in x):  # shapes, axes: most of them
+            return tuple(x)
         return tuple(param_key(y) for y in x)
     if isinstance(x, np.generic):
         return x.item()
