@@ -1,5 +1,7 @@
 """Shared test helpers: per-dtype tolerances and dtype-checking comparisons."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -102,12 +104,24 @@ def platform_branch(eqn, platform):
     raise AssertionError(f"no branch for {platform} in {platforms}")
 
 
+def is_formulation_call(eqn):
+    """Whether ``eqn`` is the nested ``jit`` autocast calls a per-platform
+    formulation through (one traced call per formulation and operand types)."""
+    return eqn.primitive.name in ("jit", "pjit") and eqn.params.get("name") == (
+        "per_platform"
+    )
+
+
 def iter_eqns(jaxpr, platform="cpu"):
     """Every equation of a (closed) jaxpr, recursing into sub-jaxprs; of a
     per-platform formulation (``lax.platform_dependent``), only the branch a
-    lowering for ``platform`` keeps (``None``: every branch)."""
+    lowering for ``platform`` keeps (``None``: every branch), and not the
+    nested ``jit`` it is called through."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     for eqn in jaxpr.eqns:
+        if is_formulation_call(eqn):
+            yield from iter_eqns(eqn.params["jaxpr"], platform)
+            continue
         yield eqn
         branch = None if platform is None else platform_branch(eqn, platform)
         if branch is not None:
@@ -117,3 +131,30 @@ def iter_eqns(jaxpr, platform="cpu"):
             for sub in v if isinstance(v, tuple | list) else [v]:
                 if hasattr(sub, "eqns") or hasattr(sub, "jaxpr"):
                     yield from iter_eqns(sub, platform)
+
+
+def executed_lines(module_text, entry="main"):
+    """The lines of a StableHLO module's ``entry`` function with every
+    ``call`` replaced by the lines of the function it calls (recursively): one
+    line per operation executed, where a function called twice (a traced call
+    shared by several products) appears twice."""
+    bodies, name = {}, None
+    for line in module_text.splitlines():
+        head = re.match(r"\s*func\.func (?:public |private )?@([\w$.]+)\(", line)
+        if head:
+            name = head.group(1)
+            bodies[name] = []
+        elif name is not None and line.rstrip() == "  }":
+            name = None
+        elif name is not None:
+            bodies[name].append(line)
+
+    def expand(fn):
+        for line in bodies[fn]:
+            called = re.search(r"\bcall @([\w$.]+)\(", line)
+            if called and called.group(1) in bodies:
+                yield from expand(called.group(1))
+            else:
+                yield line
+
+    return list(expand(entry))

@@ -1,5 +1,6 @@
 """Core tests of the autocast transform: dtypes, composition, caching, regions."""
 
+import collections
 import re
 
 import jax
@@ -418,8 +419,8 @@ def test_equations_left_as_written_are_recorded_as_traced(monkeypatch):
     emit = _compat.emit_as_written
     copied = []
 
-    def counting(eqn, invals):
-        out = emit(eqn, invals)
+    def counting(eqn, invals, **kwargs):
+        out = emit(eqn, invals, **kwargs)
         copied.append(out is not None)
         return out
 
@@ -430,7 +431,7 @@ def test_equations_left_as_written_are_recorded_as_traced(monkeypatch):
     monkeypatch.setattr(_compat, "emit_as_written", counting)
     fast = staged()
     assert sum(copied) > 100
-    monkeypatch.setattr(_compat, "emit_as_written", lambda eqn, invals: None)
+    monkeypatch.setattr(_compat, "emit_as_written", lambda eqn, invals, **kw: None)
     assert staged() == fast
 
 
@@ -807,3 +808,136 @@ def test_nested_jit_body_is_interpreted_once_per_type():
     body = jax.make_jaxpr(block)(X, w).eqns[0].params["jaxpr"]
     # first call with a float32 x, then three with a bfloat16 x: two entries
     assert len(calls._jit_cache[body]) == 2
+
+
+def test_a_walk_pauses_the_garbage_collector_and_restores_it(monkeypatch):
+    import gc
+
+    seen = []
+    walk = interpreter.eval_jaxpr
+
+    def recording(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return walk(*args, **kwargs)
+
+    monkeypatch.setattr(interpreter, "eval_jaxpr", recording)
+    f = mixprec.autocast(lambda x: jnp.tanh(x @ x), "mixed_bfloat16")
+    assert gc.isenabled()
+    out = jax.jit(f)(jnp.ones((4, 4)))
+    assert seen == [False] and gc.isenabled()
+    assert out.dtype == F32  # (the policy's output dtype)
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("walk failed")
+
+    monkeypatch.setattr(interpreter, "eval_jaxpr", failing)
+    with pytest.raises(RuntimeError, match="walk failed"):
+        jax.jit(mixprec.autocast(lambda x: x @ x, "mixed_bfloat16"))(jnp.ones((4, 4)))
+    assert gc.isenabled()
+    # Paused by the caller: left paused.
+    monkeypatch.setattr(interpreter, "eval_jaxpr", recording)
+    gc.disable()
+    try:
+        jax.jit(mixprec.autocast(lambda x: x @ x.T, "mixed_bfloat16"))(jnp.ones((4, 4)))
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    assert seen == [False, False]
+
+
+def test_primitives_under_grad_go_through_cached_jits_and_stage_the_same_program(
+    monkeypatch,
+):
+    # A walk under `grad` binds each primitive through an inline `jit` cached
+    # per primitive and parameters (JAX linearizes it from a cached jaxpr):
+    # staged, the program holds the same primitives, and computes the same
+    # bits, as binding each one on its own.
+    from mixprec._src import _compat
+
+    def loss(w, x):
+        h = jnp.tanh(x @ w) * 0.5 + 1.0
+        return jnp.sum(jnp.exp(-h) / (1.0 + h**2))
+
+    w = jax.random.normal(jax.random.key(0), (32, 32)) / 6
+    x = jax.random.normal(jax.random.key(1), (8, 32))
+
+    def staged():
+        f = jax.jit(jax.value_and_grad(mixprec.autocast(loss, "mixed_bfloat16")))
+        eqns = [e.primitive.name for e in iter_eqns(jax.make_jaxpr(f)(w, x))]
+        return collections.Counter(eqns), f(w, x)
+
+    calls = []
+    call = _compat.call_transformed
+
+    def counting(key, fn, operands):
+        if _compat._transforming(operands):
+            calls.append(key)
+        return call(key, fn, operands)
+
+    monkeypatch.setattr(_compat, "call_transformed", counting)
+    cached, got = staged()
+    assert calls, "no primitive went through a cached jit"
+    # Inlined when staged: the only nested jit is `f`'s own.
+    assert cached["jit"] + cached["pjit"] == 1, cached
+    monkeypatch.setattr(_compat, "_transforming", lambda operands: False)
+    direct, want = staged()
+    assert cached == direct
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16", "mixed_float8"])
+def test_float32_ops_taken_as_traced_stage_what_deciding_them_stages(
+    policy, monkeypatch
+):
+    # The walk takes an op of the default rule, outside the allow list, whose
+    # floating operands are all float32 as traced, as it was traced, without
+    # deciding it: a whole GPT train step (float32 AdamW update, backward pass)
+    # stages the same program as when every op is decided.
+    import optax
+
+    from mixprec._src._compat import eqn_frame_lines
+    from mixprec._src.workloads import gpt2
+
+    cfg = gpt2.GPT2Config(
+        vocab_size=64, seq_len=16, d_model=32, num_heads=2, num_layers=2
+    )
+    params = jax.tree.map(jnp.asarray, gpt2.init(cfg))
+    opt = optax.adamw(1e-3)
+    state = opt.init(params)
+    x, y = gpt2.batch(cfg, 2)
+
+    def staged():
+        # The program, and where each equation says it comes from (a fresh
+        # function: its first call is walked into the caller's trace).
+        def step(params, state, x, y):
+            loss = lambda p: gpt2.loss(p, x, y, config=cfg, attention="einsum")  # noqa: E731
+            value, grads = jax.value_and_grad(loss)(params)
+            updates, state = opt.update(grads, state, params)
+            return optax.apply_updates(params, updates), state, value
+
+        f = jax.jit(mixprec.autocast(step, policy))
+        with jax.numpy_dtype_promotion("standard"):  # optax's bias correction
+            closed = jax.make_jaxpr(f)(params, state, x, y)
+        sources = [
+            (str(e.source_info.name_stack), eqn_frame_lines(e.source_info), e.ctx)
+            for e in iter_eqns(closed)
+        ]
+        return str(closed), sources
+
+    taken = []
+    as_traced = interpreter._as_traced
+
+    def counting(*args):
+        found = as_traced(*args)
+        taken.append(found)
+        return found
+
+    monkeypatch.setattr(interpreter, "_as_traced", counting)
+    fast, fast_sources = staged()
+    assert sum(taken) > len(taken) // 4, (sum(taken), len(taken))
+    monkeypatch.setattr(interpreter, "_as_traced", lambda *args: False)
+    slow, slow_sources = staged()
+    assert fast == slow
+    assert fast_sources == slow_sources

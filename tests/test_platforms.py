@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import executed_lines
 from jax import export
 
 import mixprec
@@ -58,7 +59,7 @@ def _whole_step(policy):
 def _dots(module_text):
     """``(operand types, result type)`` of every ``stablehlo.dot_general``."""
     out = []
-    for line in module_text.splitlines():
+    for line in executed_lines(module_text):
         if "stablehlo.dot_general" not in line:
             continue
         sig = line.rsplit(" : ", 1)[1]
@@ -95,7 +96,7 @@ def _dot_bytes(dots_with_shapes):
 def _dot_results(module_text):
     """``(elements, element type)`` of the result of every dot_general."""
     out = []
-    for line in module_text.splitlines():
+    for line in executed_lines(module_text):
         if "stablehlo.dot_general" not in line:
             continue
         result = line.rsplit(" : ", 1)[1].split(" -> ")[1]
@@ -245,3 +246,97 @@ def test_creating_autocast_initialises_no_jax_backend():
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["3", "64.0"]
+
+
+def _nested_jits(jaxpr):
+    """The nested ``jit`` equations of ``jaxpr`` (top level)."""
+    return [e for e in jaxpr.eqns if e.primitive.name in ("jit", "pjit")]
+
+
+def test_products_of_one_formulation_share_one_traced_call():
+    # Every product of a formulation at the same operand types is one nested
+    # `jit` of the same jaxpr (lowered once per module), computing what
+    # `lax.platform_dependent` computes, bit for bit, in both passes.
+    from mixprec._src.autocast import platforms
+
+    ws = [jax.random.normal(jax.random.key(i), (64, 64)) / 8 for i in range(3)]
+    x = jax.random.normal(jax.random.key(9), (16, 64))
+
+    def loss(ws, x):
+        for w in ws:
+            x = jnp.tanh(x @ w)
+        return jnp.sum(x**2)
+
+    f = jax.jit(jax.value_and_grad(mixprec.autocast(loss, "mixed_bfloat16")))
+    calls = _nested_jits(jax.make_jaxpr(f)(ws, x).eqns[0].params["jaxpr"].jaxpr)
+    shared = collections.Counter(id(e.params["jaxpr"]) for e in calls)
+    assert max(shared.values()) >= 3, "the three forward products: one traced call"
+
+    got = f(ws, x)
+    replay = platforms._staged_call
+    try:
+        platforms._staged_call = lambda *a: None  # lax.platform_dependent per product
+        g = jax.jit(jax.value_and_grad(mixprec.autocast(loss, "mixed_bfloat16")))
+        assert not _nested_jits(jax.make_jaxpr(g)(ws, x).eqns[0].params["jaxpr"].jaxpr)
+        want = g(ws, x)
+    finally:
+        platforms._staged_call = replay
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _double(x):
+    return 2 * x
+
+
+def test_a_traced_call_is_replayed_only_where_it_was_traced_alike():
+    from mixprec._src.autocast import platforms
+
+    def f(x):
+        return platforms.per_platform((x,), platform=None, default=_double, cpu=jnp.sin)
+
+    x = jnp.ones(3)
+    jaxpr = jax.make_jaxpr(f)(x)
+    (call,) = _nested_jits(jaxpr)
+    assert jax.make_jaxpr(f)(x).eqns[0].params["jaxpr"] is call.params["jaxpr"]
+    # Other operand types or another tracing configuration: traced anew.
+    other = jax.make_jaxpr(f)(jnp.ones(4)).eqns[0].params["jaxpr"]
+    assert other is not call.params["jaxpr"]
+    with jax.default_matmul_precision("highest"):
+        highest = jax.make_jaxpr(f)(x).eqns[0].params["jaxpr"]
+    assert highest is not call.params["jaxpr"]
+    # A closure (it may hold traced values) runs through `lax.platform_dependent`.
+    closure = jax.make_jaxpr(
+        lambda x: platforms.per_platform(
+            (x,), platform=None, default=lambda v: v * x, cpu=jnp.sin
+        )
+    )(x)
+    assert not _nested_jits(closure)
+    assert [e.primitive.name for e in closure.eqns] == ["platform_index", "cond"]
+    # Not traced (eager): the platform's function runs directly.
+    np.testing.assert_array_equal(f(x), jnp.sin(x))
+    assert float(jax.jit(f)(x)[0]) == float(jnp.sin(1.0))
+
+
+def test_no_cudnn_on_the_tracing_host_keeps_attention_unfused_without_tracing_it(
+    monkeypatch,
+):
+    from mixprec._src import _compat
+    from mixprec._src.autocast.rules import attention as attention_rule
+
+    def missing():
+        raise RuntimeError("cuDNN is not detected.")
+
+    def never(*args):
+        raise AssertionError("the fused call was traced")
+
+    monkeypatch.setattr(
+        _compat.cudnn_attention_module(), "check_cudnn_version", missing
+    )
+    assert attention_rule._shapes(never, [jnp.ones(2)]) is None
+    monkeypatch.setattr(
+        _compat.cudnn_attention_module(), "check_cudnn_version", lambda: 91000
+    )
+    with pytest.raises(AssertionError, match="was traced"):
+        attention_rule._shapes(never, [jnp.ones(2)])

@@ -16,7 +16,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-from jax._src import api_util as _api_util, core as _core
+import numpy as np
+from jax._src import api_util as _api_util, config as _config_lib, core as _core
 from jax._src.interpreters import ad as _ad, partial_eval as _pe
 from jax.extend import linear_util as _lu, source_info_util as _siu
 from jax.extend.core import ClosedJaxpr, Jaxpr
@@ -216,6 +217,118 @@ def eval_closed_jaxpr(closed: ClosedJaxpr, *args: Any) -> list[Any]:
     return _core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
 
 
+def jaxpr_as_fun(closed: ClosedJaxpr) -> Callable[..., list[Any]]:
+    """``closed`` as a function of its inputs returning its outputs (a list),
+    named after the jaxpr's function."""
+    from jax.extend.core import jaxpr_as_fun as _as_fun
+
+    fn = _as_fun(closed)
+    name = getattr(closed.jaxpr.debug_info, "func_name", None) or "fn"
+
+    def call(*args: Any) -> list[Any]:
+        return list(fn(*args))
+
+    call.__name__ = call.__qualname__ = name
+    return call
+
+
+# One `jit(inline=True)` per operation (a primitive and its parameters, a
+# cast to a dtype): under a transformation that does not stage out (`grad`'s
+# linearization, `jvp`, `vmap`) JAX handles a nested `jit` from its cached
+# jaxpr (linearized once per operand types), where a primitive bound on its
+# own is linearized from scratch (its JVP traced and partially evaluated,
+# about twice the cost); `jax.numpy`'s functions reach JAX that way too.
+# Staged, an inline `jit` leaves the primitive itself.
+_CALLS: dict[Any, Callable[..., Any]] = {}
+_CALL_LIMIT = 8192
+
+
+def _transforming(operands: Sequence[Any]) -> bool:
+    trace = _core.trace_ctx.trace
+    return (
+        type(trace) is not _pe.DynamicJaxprTrace
+        and not isinstance(trace, _core.EvalTrace)
+        and bool(operands)
+        and all(isinstance(x, _core.Tracer) and x._trace is trace for x in operands)
+    )
+
+
+def call_transformed(key: Any, fn: Callable[..., Any], operands: Sequence[Any]) -> Any:
+    """``fn(*operands)``; under a transformation that does not stage out (every
+    operand a tracer of it), through an inline ``jit`` of ``fn`` cached under
+    ``key`` (hashable; it must name what ``fn`` computes), which the
+    transformation then handles once per operand types."""
+    if not _transforming(operands):
+        return fn(*operands)
+    try:
+        call = _CALLS.get(key)
+    except TypeError:  # a part of the key that cannot be hashed
+        return fn(*operands)
+    if call is None:
+        call = jax.jit(fn, inline=True)
+        if len(_CALLS) >= _CALL_LIMIT:
+            _CALLS.clear()
+        _CALLS[key] = call
+    return call(*operands)
+
+
+def bind_transformed(prim: Any, operands: Sequence[Any], params: dict[str, Any]) -> Any:
+    """``prim.bind(*operands, **params)``, through :func:`call_transformed`; a
+    scalar operand (a jaxpr's literal) is part of the operation, as it would
+    be a literal of its jaxpr."""
+    if prim.name == "device_put" or "callback" in prim.name:
+        # (A transfer or a host call means something else inside a `jit`.)
+        return prim.bind(*operands, **params)
+    fixed: dict[int, Any] = {}
+    traced = []
+    for i, x in enumerate(operands):
+        if isinstance(x, _core.Tracer):
+            traced.append(x)
+        elif isinstance(x, bool | int | float | np.generic) or (
+            isinstance(x, np.ndarray) and x.ndim == 0
+        ):
+            fixed[i] = x
+        else:
+            return prim.bind(*operands, **params)
+    n = len(operands)
+
+    def bound(*xs: Any) -> Any:
+        rest = iter(xs)
+        return prim.bind(
+            *(fixed[i] if i in fixed else next(rest) for i in range(n)), **params
+        )
+
+    bound.__name__ = bound.__qualname__ = prim.name
+    # A scalar by its type, dtype and bits (0.0 and -0.0 differ, NaN equals).
+    scalars = tuple(
+        (i, type(v), np.asarray(v).dtype.str, np.asarray(v).tobytes())
+        for i, v in fixed.items()
+    )
+    key = (prim, tuple(sorted(params.items())), n, scalars)
+    return call_transformed(key, bound, traced)
+
+
+def tracing_context() -> Any:
+    """What JAX's own tracing caches key on besides a function and its
+    operands (the configuration that changes a trace: matmul precision, dtype
+    promotion, x64...), and the context it records with an equation staged
+    here (compute type, mesh, XLA metadata), interned so equal ones are one
+    object. Hashable."""
+    from jax._src import config as _config
+
+    return (_config.trace_context(), _core.current_jaxpr_eqn_context())
+
+
+def trace_without_name_stack(
+    fn: Callable[..., Sequence[Any]], in_avals: Sequence[Any], *, name: str = "fn"
+) -> ClosedJaxpr:
+    """:func:`trace_to_closed_jaxpr` with an empty name stack, for a jaxpr
+    replayed at other places (its equations then carry the name stack of
+    each place, as ``jit`` traces a body)."""
+    with _siu.reset_name_stack():
+        return trace_to_closed_jaxpr(fn, in_avals, name=name)
+
+
 def as_staged(values: Sequence[Any]) -> list[Any]:
     """``values`` as tracers of the trace that stages out to a jaxpr beneath
     the current one (``jit``'s, under ``grad`` or ``vmap`` in ``jit``): what
@@ -253,7 +366,22 @@ def _staged_specially(eqn: Any) -> bool:
     return eqn.invars[0].aval.shape == eqn.outvars[0].aval.shape
 
 
-def emit_as_written(eqn: Any, invals: Sequence[Any]) -> list[Any] | None:
+def _own_source(eqn: Any) -> tuple[Any, Any] | None:
+    """The source info and equation context ``eqn`` is staged with inside its
+    own source context (the current name stack extended by its own, its
+    traceback; its context), or ``None`` where that needs the context entered:
+    no traceback of its own, or XLA metadata around (which the equation's
+    merges into)."""
+    tb = eqn.source_info.traceback
+    if tb is None or _config_lib.xla_metadata_context_manager.value is not None:
+        return None
+    name_stack = _siu.current_name_stack() + eqn.source_info.name_stack
+    return _siu.SourceInfo(tb, name_stack), eqn.ctx
+
+
+def emit_as_written(
+    eqn: Any, invals: Sequence[Any], *, own_context: bool = False
+) -> list[Any] | None:
     """Records ``eqn`` as it is in the jaxpr being traced, or returns ``None``.
 
     When the current trace stages out to a jaxpr and ``invals`` are exactly
@@ -262,7 +390,10 @@ def emit_as_written(eqn: Any, invals: Sequence[Any]) -> list[Any] | None:
     abstract values again only to find the ones ``eqn`` records: the equation
     is recorded with those, as ``jax.jit(..., inline=True)`` copies a jaxpr.
     ``None`` (nothing recorded) wherever that does not hold, or staging the
-    primitive does more than record it; the caller then binds it.
+    primitive does more than record it; the caller then binds it. With
+    ``own_context``, it is recorded as inside the equation's own source
+    context (its name stack and traceback, its equation context) without the
+    caller entering it (``None`` where that cannot be done).
     """
     trace = _core.trace_ctx.trace
     if type(trace) is not _pe.DynamicJaxprTrace:
@@ -270,7 +401,12 @@ def emit_as_written(eqn: Any, invals: Sequence[Any]) -> list[Any] | None:
     prim = eqn.primitive
     if eqn.effects or _staged_specially(eqn):
         return None
-    src = None
+    src = ctx = None
+    if own_context:
+        found = _own_source(eqn)
+        if found is None:
+            return None
+        src, ctx = found
     in_tracers = []
     traced = False
     for v, x in zip(eqn.invars, invals, strict=True):
@@ -292,7 +428,9 @@ def emit_as_written(eqn: Any, invals: Sequence[Any]) -> list[Any] | None:
     out_avals = [v.aval for v in eqn.outvars]
     if src is None:
         src = _siu.current()
-    return trace.emit_eqn(in_tracers, out_avals, prim, eqn.params, eqn.effects, src)
+    return trace.emit_eqn(
+        in_tracers, out_avals, prim, eqn.params, eqn.effects, src, ctx
+    )
 
 
 def convert_constvars_jaxpr(jaxpr: Jaxpr) -> Jaxpr:
@@ -504,6 +642,21 @@ def cudnn_attention_module() -> Any:
     """JAX's cuDNN attention module (tests pretend cuDNN is present with it, to
     export the fused formulation for ``cuda`` from a CPU host)."""
     return importlib.import_module("jax._src.cudnn.fused_attention_stablehlo")
+
+
+def cudnn_detected() -> bool:
+    """Whether JAX finds cuDNN on this host (its own check, asked directly:
+    on a host without it, a fused call fails only after JAX has traced it
+    and filtered the error's traceback). ``True`` where the check is
+    missing: the fused call then decides."""
+    check = getattr(cudnn_attention_module(), "check_cudnn_version", None)
+    if check is None:
+        return True
+    try:
+        check()
+    except RuntimeError:
+        return False
+    return True
 
 
 # -- XLA:CPU workarounds ------------------------------------------------------------

@@ -33,11 +33,23 @@ def float_dtype(x: Any) -> np.dtype | None:
             return _F32
         return None
     try:
-        if not jnp.issubdtype(dtype, jnp.floating):
-            return None
+        return _FLOAT_OR_NONE[dtype]
+    except (KeyError, TypeError):  # not seen yet, or not hashable
+        pass
+    try:
+        found = np.dtype(dtype) if jnp.issubdtype(dtype, jnp.floating) else None
     except TypeError:  # extended dtypes (PRNG keys)
-        return None
-    return np.dtype(dtype)
+        found = None
+    try:
+        _FLOAT_OR_NONE[dtype] = found
+    except TypeError:
+        pass
+    return found
+
+
+# Every dtype asked about, and its answer: asked for each operand of each
+# equation a walk meets, of a few dtypes in all.
+_FLOAT_OR_NONE: dict[Any, np.dtype | None] = {}
 
 
 def aval_shape(var: Any) -> tuple[Any, ...]:

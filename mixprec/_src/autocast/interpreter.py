@@ -112,6 +112,8 @@ __all__ = [
 siu.register_exclusion(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
 
 _F32 = np.dtype(np.float32)
+# Ops decided by their own entry, not by their operands' dtypes.
+_OWN_DECISION = frozenset([ops.FUSION, ops.OPAQUE])
 
 bind_as_written = jaxprs.bind_as_written
 
@@ -545,6 +547,62 @@ def run_eqn(
     return outs, out_marks(spec, eqn, marks, n_out, walk.backward, walk)
 
 
+_MIXED_MODES = frozenset(["allow_mix_precision", "allow_mix_precision_bf16"])
+
+
+def _taken_as_traced(
+    walk: Walk, eqn: JaxprEqn, invals: Sequence[Any], marks: Sequence[int]
+) -> tuple[list[Any], list[int]] | None:
+    """The results and marks of ``eqn`` recorded as it was traced (in its own
+    source context), where :func:`_as_traced` says it runs that way and
+    nothing watches the walk; ``None`` otherwise (:func:`run_eqn` runs it)."""
+    if walk.observer is not None or jaxprs.has_jaxpr_params(eqn.params):
+        return None
+    spec = ops.spec_for(eqn.primitive.name)
+    if (spec is not None and spec.is_higher_order) or not _as_traced(
+        walk, eqn, spec, invals
+    ):
+        return None
+    outs = _compat.emit_as_written(eqn, invals, own_context=True)
+    if outs is None:
+        return None
+    n = len(eqn.outvars)
+    return outs, out_marks(spec, eqn, marks, n, walk.backward, walk)
+
+
+def _as_traced(
+    walk: Walk, eqn: JaxprEqn, spec: ops.OpSpec | None, invals: Sequence[Any]
+) -> bool:
+    """Whether ``eqn`` runs as it was traced without asking :func:`decide_eqn`:
+    under a mixed mode, outside composites, an op of the default rule that is
+    not in the allow list, whose floating operands are all float32 as traced
+    (none a product's wide result an epilogue may take). Such an op runs in
+    float32 whatever its class (deny: float32; infer and clear: the dtype of
+    its float32 operands); what a whole train step's float32 optimizer update
+    and most of its backward pass are made of."""
+    cfg = walk.config
+    if cfg.mode not in _MIXED_MODES or walk.composite:
+        return False
+    name = eqn.primitive.name
+    if ops.rule_for(spec) is not None or (
+        spec is not None and spec.flags & _OWN_DECISION
+    ):
+        return False
+    try:
+        if cfg.lists.classify(name, strict=cfg.strict and spec is None) == "allow":
+            return False
+    except NotImplementedError:
+        return False  # in no list under `strict`: `decide_eqn` raises for it
+    wide = walk.facts.wide
+    for v, x in zip(eqn.invars, invals, strict=True):
+        dt = float_dtype(x)
+        if dt is None:
+            continue
+        if dt != _F32 or (wide and type(v) is not Literal and v in wide):
+            return False
+    return True
+
+
 @contextlib.contextmanager
 def _eqn_context(eqn: JaxprEqn) -> Iterator[None]:
     name_stack = siu.current_name_stack() + eqn.source_info.name_stack
@@ -637,8 +695,12 @@ def _step(walk: Walk, eqn: JaxprEqn, env: dict[Any, Any], mk: dict[Any, int]) ->
     """Runs one equation of a jaxpr being evaluated, in ``env``."""
     invals = [jaxprs.read(env, v) for v in eqn.invars]
     inmarks = [literal_mark() if type(v) is Literal else mk[v] for v in eqn.invars]
-    with _eqn_context(eqn):
-        outs, outmarks = run_eqn(walk.for_eqn(eqn), eqn, invals, inmarks)
+    walk = walk.for_eqn(eqn)
+    taken = _taken_as_traced(walk, eqn, invals, inmarks)
+    if taken is None:
+        with _eqn_context(eqn):
+            taken = run_eqn(walk, eqn, invals, inmarks)
+    outs, outmarks = taken
     producers = walk.facts.producers
     for v, x, m in zip(eqn.outvars, outs, outmarks, strict=True):
         env[v] = x

@@ -79,7 +79,12 @@ def cast(x: Any, dtype: Any, *, saturate: bool = False) -> Any:
         x = clip_to_range(x, dtype)
     if isinstance(x, np.ndarray | np.generic | float):
         return np.asarray(x, dtype=dtype)
-    return lax.convert_element_type(x, dtype)
+    return _compat.call_transformed(("cast", dtype), _converter(dtype), [x])
+
+
+@ft.lru_cache(maxsize=64)
+def _converter(dtype: np.dtype) -> Any:
+    return ft.partial(lax.convert_element_type, new_dtype=dtype)
 
 
 def cast_operands(ctx: CastContext, invals: Sequence[Any]) -> list[Any]:
@@ -241,9 +246,16 @@ def ran_with(decision: Decision, eqn: JaxprEqn, invals: Sequence[Any]) -> list[A
     return out
 
 
-def bind(prim: Any, invals: Sequence[Any], params: dict[str, Any]) -> Any:
-    """``prim.bind(*invals, **params)`` with dtype-valued params canonicalised."""
-    return prim.bind(*invals, **_canonical_params(params))
+def bind(
+    prim: Any, invals: Sequence[Any], params: dict[str, Any], *, effects: bool = False
+) -> Any:
+    """``prim.bind(*invals, **params)`` with dtype-valued params canonicalised;
+    without ``effects``, under ``grad``, ``jvp`` or ``vmap`` through a cached
+    inline ``jit`` (:func:`~mixprec._src._compat.bind_transformed`)."""
+    params = _canonical_params(params)
+    if effects:
+        return prim.bind(*invals, **params)
+    return _compat.bind_transformed(prim, invals, params)
 
 
 def _canonical_params(params: dict[str, Any]) -> dict[str, Any]:
@@ -281,7 +293,7 @@ def default_rule(prim: Any, ctx: CastContext, *invals: Any, **params: Any) -> An
 def _bind_and_round(
     prim: Any, ctx: CastContext, operands: Sequence[Any], params: dict[str, Any]
 ) -> Any:
-    out = bind(prim, operands, params)
+    out = bind(prim, operands, params, effects=bool(ctx.eqn.effects))
     out_dtype = ctx.decision.out_dtype
     if out_dtype is None:
         return out

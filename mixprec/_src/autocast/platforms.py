@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import enum
 import functools as ft
+import weakref
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -107,7 +108,63 @@ def per_platform(
         return default(*args)
     default = _interned(default, args)
     overrides = {name: _interned(fn, args) for name, fn in overrides.items()}
+    staged = _staged_call(args, default, overrides)
+    if staged is not None:
+        return staged
     return lax.platform_dependent(*args, default=default, **overrides)
+
+
+# The call `lax.platform_dependent` stages (a `platform_index` and a `cond`
+# over the traced branches), traced once per formulation, operand types and
+# tracing context, and called as one nested `jit` of it. JAX lowers each
+# `cond` anew (it rebuilds the branches of every `cond` when it prunes dead
+# code before lowering, and its lowering cache is keyed on their identity),
+# about 0.6 ms each; a nested `jit` of one jaxpr is lowered once per module
+# and called (XLA inlines the calls), differentiated from cached jaxprs, and
+# a call skips the branch bookkeeping.
+_STAGED: dict[Any, tuple[Any, Any]] = {}
+
+
+def _staged_call(
+    args: tuple[Any, ...], default: Callable[..., Any], overrides: dict[str, Any]
+) -> Any:
+    """``lax.platform_dependent(*args, ...)`` replayed from its traced call, or
+    ``None`` (nothing done) where it cannot be: a branch that is not interned
+    (a closure may hold traced values), or operands that are not traced (JAX
+    then runs the platform's branch directly)."""
+    branches = (default, *overrides.values())
+    if any(fn not in _INTERNED_FNS for fn in branches):
+        return None
+    leaves, tree = jax.tree.flatten(args)
+    if not any(_compat.is_tracer(x) for x in leaves):
+        return None
+    avals = tuple(_compat.get_aval(x) for x in leaves)
+    key = (
+        default,
+        tuple(sorted(overrides.items())),
+        tree,
+        avals,
+        _compat.tracing_context(),
+    )
+    found = _STAGED.get(key)
+    if found is None:
+        out_trees: list[Any] = []
+
+        def call(*flat: Any) -> list[Any]:
+            out = lax.platform_dependent(
+                *jax.tree.unflatten(tree, flat), default=default, **overrides
+            )
+            out_leaves, out_tree = jax.tree.flatten(out)
+            out_trees.append(out_tree)
+            return out_leaves
+
+        closed = _compat.trace_without_name_stack(call, avals, name="per_platform")
+        run = jax.jit(_compat.jaxpr_as_fun(closed))
+        if len(_STAGED) >= _INTERN_LIMIT:
+            _STAGED.clear()
+        found = _STAGED[key] = (run, out_trees[0])
+    run, out_tree = found
+    return jax.tree.unflatten(out_tree, run(*leaves))
 
 
 # One object per formulation (module-level function, static arguments, operand
@@ -119,6 +176,7 @@ def per_platform(
 # argument that is not plain data, is passed as it is (never kept here: it may
 # hold traced values).
 _INTERNED: dict[Any, Callable[..., Any]] = {}
+_INTERNED_FNS: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
 _INTERN_LIMIT: Final = 4096
 _DATA: Final = (type(None), bool, int, float, str, np.dtype, enum.Enum, Sharding)
 
@@ -157,4 +215,5 @@ def _interned(fn: Callable[..., Any], args: tuple[Any, ...]) -> Callable[..., An
         found = ft.partial(func, *static, **keywords)
         _compat.keep_branch_debug_info(found, args)
         _INTERNED[key] = found
+        _INTERNED_FNS.add(found)
     return found

@@ -184,11 +184,15 @@ def encode(x: jax.Array, tier: str, random: jax.Array, *, block: int) -> Any:
         )
     xb = _blocks(x32, block)
     u = bits_lib.uniform(_blocks(random, block))
-    absmax = jnp.max(jnp.abs(xb), axis=-1, keepdims=True)
+    # Both block statistics from the largest and the smallest value, two
+    # reductions of the same input (XLA reads it once; no |x| in memory).
+    largest = jnp.max(xb, axis=-1, keepdims=True)
+    smallest = jnp.min(xb, axis=-1, keepdims=True)
+    absmax = jnp.abs(jnp.maximum(largest, -smallest))  # (|-0.0| is 0.0)
     # A block with no negative value (a second moment) takes the square-root
     # code; every other block the signed direct code. One code per element,
     # with the block's parameters.
-    nonneg = jnp.min(xb, axis=-1, keepdims=True) >= 0
+    nonneg = smallest >= 0
     y = jnp.abs(xb) / jnp.where(absmax > 0, absmax, 1.0)  # in [0, 1]
     t = jnp.where(nonneg, jnp.sqrt(y), y)
     # Never flush a positive value of a non-negative block to 0.

@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mixprec._src import _compat
 from mixprec._src.autocast import interpreter as itp, jaxprs, ops
 from mixprec._src.autocast.attention import (
     ATTENTION_P,
@@ -145,6 +146,8 @@ def _shapes(fn: Any, values: Sequence[Any]) -> Any:
     refuses the fused call when it traces it: ``RuntimeError`` when no cuDNN
     is detected, ``ValueError`` / ``NotImplementedError`` for shapes, dtypes
     or layouts cuDNN does not take. Any other error is a bug and raises."""
+    if _IMPLEMENTATION == "cudnn" and not _compat.cudnn_detected():
+        return None
     try:
         return jax.eval_shape(fn, *values)
     except (RuntimeError, ValueError, NotImplementedError):
