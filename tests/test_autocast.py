@@ -876,6 +876,9 @@ def test_primitives_under_grad_go_through_cached_jits_and_stage_the_same_program
 
     monkeypatch.setattr(_compat, "call_transformed", counting)
     cached, got = staged()
+    if not _compat._inline_calls_vanish():  # JAX 0.11: bound directly
+        assert not calls
+        return
     assert calls, "no primitive went through a cached jit"
     # Inlined when staged: the only nested jit is `f`'s own.
     assert cached["jit"] + cached["pjit"] == 1, cached

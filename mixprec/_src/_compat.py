@@ -10,6 +10,7 @@ to jaxprs, custom derivatives, source information.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from collections.abc import Callable, Sequence
@@ -243,6 +244,16 @@ _CALLS: dict[Any, Callable[..., Any]] = {}
 _CALL_LIMIT = 8192
 
 
+@functools.cache
+def _inline_calls_vanish() -> bool:
+    """Whether this JAX stages a differentiated inline ``jit`` as the
+    primitives it holds (JAX 0.10); JAX 0.11 keeps it a nested call, and then
+    the walk binds primitives directly, leaving the program as it was."""
+    mul = jax.jit(jax.lax.mul, inline=True)
+    staged = jax.make_jaxpr(jax.grad(lambda x: mul(x, x)))(1.0)
+    return all(e.primitive.name not in ("jit", "pjit") for e in staged.eqns)
+
+
 def _transforming(operands: Sequence[Any]) -> bool:
     trace = _core.trace_ctx.trace
     return (
@@ -250,6 +261,7 @@ def _transforming(operands: Sequence[Any]) -> bool:
         and not isinstance(trace, _core.EvalTrace)
         and bool(operands)
         and all(isinstance(x, _core.Tracer) and x._trace is trace for x in operands)
+        and _inline_calls_vanish()
     )
 
 

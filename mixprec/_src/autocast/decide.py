@@ -529,19 +529,23 @@ def out_marks(
         >>> out_marks(ops.spec_for("reduce_sum"), eqn, [0], 1) == [STAT]
         True
     """
-    const = CONST if all(m & CONST for m in marks) else 0
+    every = any_ = 0
+    if marks:
+        every = -1
+        for m in marks:
+            every &= m
+            any_ |= m
+    const = CONST if not marks or every & CONST else 0
     grad = 0
-    if backward and (any(m & GRAD for m in marks) or (marks and const)):
+    if backward and (any_ & GRAD or (marks and const)):
         # A backward pass starts from a constant cotangent (`jax.grad`'s 1.0);
         # what it computes from that is a gradient, residuals are not.
         grad = GRAD
     flags = spec.flags if spec is not None else frozenset()
-    if not backward and region is not None:
+    if not backward and region is not None and any_ & (BIG | CONST):
         const |= _big(spec, eqn, marks, region)
     if ops.STATISTIC in flags or (
-        marks
-        and any(m & STAT for m in marks)
-        and all(m & (STAT | CONST) for m in marks)
+        any_ & STAT and all(m & (STAT | CONST) for m in marks)
     ):
         # A statistic, broadcast or not: never a follower.
         return [STAT | const | grad] * n

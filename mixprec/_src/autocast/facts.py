@@ -27,6 +27,7 @@ Examples:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -101,6 +102,13 @@ def value_range(x: Any) -> tuple[float, float]:
         >>> value_range(np.array([0.0, -3.0, 1e-3, np.inf]))
         (3.0, 0.001)
     """
+    if isinstance(x, bool | int | float | np.generic | np.ndarray) and np.ndim(x) == 0:
+        scalar = np.asarray(x)
+        if scalar.dtype.kind in "biuf":  # (a literal: most constants asked about)
+            m = abs(float(scalar))
+            if not math.isfinite(m):
+                return 0.0, float("inf")
+            return m, m if m > 0 else float("inf")
     a = np.abs(np.asarray(x, dtype=np.float64))
     a = a[np.isfinite(a)]
     if a.size == 0:
