@@ -326,9 +326,7 @@ def tracing_context() -> Any:
     promotion, x64...), and the context it records with an equation staged
     here (compute type, mesh, XLA metadata), interned so equal ones are one
     object. Hashable."""
-    from jax._src import config as _config
-
-    return (_config.trace_context(), _core.current_jaxpr_eqn_context())
+    return (_config_lib.trace_context(), _core.current_jaxpr_eqn_context())
 
 
 def trace_without_name_stack(

@@ -128,10 +128,10 @@ _STAGED: dict[Any, tuple[Any, Any]] = {}
 def _staged_call(
     args: tuple[Any, ...], default: Callable[..., Any], overrides: dict[str, Any]
 ) -> Any:
-    """``lax.platform_dependent(*args, ...)`` replayed from its traced call, or
-    ``None`` (nothing done) where it cannot be: a branch that is not interned
-    (a closure may hold traced values), or operands that are not traced (JAX
-    then runs the platform's branch directly)."""
+    """``lax.platform_dependent(*args, ...)`` through a nested ``jit`` of its
+    traced call, or ``None`` (nothing done) where it cannot be: a branch that
+    is not interned (a closure may hold traced values), or operands that are
+    not traced (JAX then runs the platform's branch directly)."""
     branches = (default, *overrides.values())
     if any(fn not in _INTERNED_FNS for fn in branches):
         return None
