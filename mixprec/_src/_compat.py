@@ -21,7 +21,7 @@ import numpy as np
 from jax._src import api_util as _api_util, config as _config_lib, core as _core
 from jax._src.interpreters import ad as _ad, partial_eval as _pe
 from jax.extend import linear_util as _lu, source_info_util as _siu
-from jax.extend.core import ClosedJaxpr, Jaxpr
+from jax.extend.core import ClosedJaxpr, Jaxpr, jaxpr_as_fun as _jaxpr_as_fun
 
 
 __all__ = [
@@ -221,9 +221,7 @@ def eval_closed_jaxpr(closed: ClosedJaxpr, *args: Any) -> list[Any]:
 def jaxpr_as_fun(closed: ClosedJaxpr) -> Callable[..., list[Any]]:
     """``closed`` as a function of its inputs returning its outputs (a list),
     named after the jaxpr's function."""
-    from jax.extend.core import jaxpr_as_fun as _as_fun
-
-    fn = _as_fun(closed)
+    fn = _jaxpr_as_fun(closed)
     name = getattr(closed.jaxpr.debug_info, "func_name", None) or "fn"
 
     def call(*args: Any) -> list[Any]:

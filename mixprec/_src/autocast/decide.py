@@ -1039,6 +1039,48 @@ def decide_eqn(
     return d
 
 
+@ft.lru_cache(maxsize=4096)
+def keeps_float32(
+    name: str,
+    n_floats: int,
+    *,
+    op_class: OpClass,
+    mode: str,
+    low: np.dtype,
+    flags: frozenset[str],
+    backward: bool,
+    reduce: np.dtype | None,
+) -> bool:
+    """Whether :func:`decide` runs an op outside the allow list whose
+    ``n_floats`` floating operands are all float32 as it was traced (no
+    operand cast, no result rounded): asked once per op and setting, so the
+    walk can record such an op without deciding it again.
+
+    Examples:
+        >>> bf16 = np.dtype("bfloat16")
+        >>> kw = dict(op_class="deny", mode="allow_mix_precision", low=bf16,
+        ...           backward=False, reduce=None)
+        >>> keeps_float32("exp", 1, flags=frozenset(), **kw)
+        True
+        >>> keeps_float32("psum", 1, flags=frozenset([CROSS_DEVICE_SUM]),
+        ...               **{**kw, "reduce": bf16})  # summed in the reduce dtype
+        False
+    """
+    if op_class == "allow":
+        return False
+    d = decide(
+        name,
+        ((_F32, False),) * n_floats,
+        op_class=op_class,
+        mode=mode,
+        low=low,
+        flags=flags,
+        backward=backward,
+        reduce=reduce,
+    )
+    return d.out_dtype is None and d.dtype in (None, _F32)
+
+
 def _low_cotangent(region: Region, eqn: JaxprEqn) -> bool:
     """Whether a backward product computes the gradient of an operand that its
     forward product received in a 16-bit dtype (an activation).

@@ -63,6 +63,7 @@ from mixprec._src.autocast.decide import (
     Precision,
     decide_epilogue,
     decide_eqn,
+    keeps_float32,
     literal_mark,
     out_marks,
 )
@@ -547,9 +548,6 @@ def run_eqn(
     return outs, out_marks(spec, eqn, marks, n_out, walk.backward, walk)
 
 
-_MIXED_MODES = frozenset(["allow_mix_precision", "allow_mix_precision_bf16"])
-
-
 def _taken_as_traced(
     walk: Walk, eqn: JaxprEqn, invals: Sequence[Any], marks: Sequence[int]
 ) -> tuple[list[Any], list[int]] | None:
@@ -574,31 +572,48 @@ def _as_traced(
     walk: Walk, eqn: JaxprEqn, spec: ops.OpSpec | None, invals: Sequence[Any]
 ) -> bool:
     """Whether ``eqn`` runs as it was traced without asking :func:`decide_eqn`:
-    under a mixed mode, outside composites, an op of the default rule that is
-    not in the allow list, whose floating operands are all float32 as traced
-    (none a product's wide result an epilogue may take). Such an op runs in
-    float32 whatever its class (deny: float32; infer and clear: the dtype of
-    its float32 operands); what a whole train step's float32 optimizer update
-    and most of its backward pass are made of."""
+    an op of the default rule, outside composites, decided by its operands'
+    dtypes (not a fusion or an opaque op), whose floating operands all arrive
+    in float32 as traced (none a product's wide result an epilogue may take),
+    where :func:`decide` keeps such an op as traced
+    (:func:`~mixprec._src.autocast.decide.keeps_float32`, asked once per op
+    and setting). What a whole train step's float32 optimizer update and most
+    of its backward pass are made of."""
+    if walk.composite or ops.rule_for(spec) is not None:
+        return False
+    if spec is not None and spec.flags & _OWN_DECISION:
+        return False
     cfg = walk.config
-    if cfg.mode not in _MIXED_MODES or walk.composite:
-        return False
-    name = eqn.primitive.name
-    if ops.rule_for(spec) is not None or (
-        spec is not None and spec.flags & _OWN_DECISION
-    ):
-        return False
-    try:
-        if cfg.lists.classify(name, strict=cfg.strict and spec is None) == "allow":
-            return False
-    except NotImplementedError:
-        return False  # in no list under `strict`: `decide_eqn` raises for it
+    n_floats = 0
     wide = walk.facts.wide
     for v, x in zip(eqn.invars, invals, strict=True):
         dt = float_dtype(x)
         if dt is None:
             continue
         if dt != _F32 or (wide and type(v) is not Literal and v in wide):
+            return False
+        n_floats += 1
+    name = eqn.primitive.name
+    # (`decide_eqn` decides a `mul` of a value by itself as a `square`.)
+    for lookup in (name, "square") if name == "mul" else (name,):
+        lookup_spec = spec if lookup == name else ops.spec_for(lookup)
+        try:
+            op_class = cfg.lists.classify(
+                lookup, strict=cfg.strict and lookup_spec is None
+            )
+        except NotImplementedError:
+            return False  # in no list under `strict`: `decide_eqn` raises for it
+        flags = lookup_spec.flags if lookup_spec is not None else frozenset()
+        if not keeps_float32(
+            lookup,
+            n_floats,
+            op_class=op_class,
+            mode=cfg.mode,
+            low=np.dtype(cfg.low_dtype),
+            flags=flags,
+            backward=walk.backward,
+            reduce=cfg.policy.reduce_dtype,
+        ):
             return False
     return True
 
