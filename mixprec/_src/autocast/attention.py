@@ -954,9 +954,10 @@ def _backward(
     The proof: JAX's ``vjp`` of the matched forward equations, with respect
     to the queries, keys and values, is traced and each of its values named
     structurally (primitive, parameters, operands' names; ``jit`` bodies
-    inlined; :func:`~mixprec._src.autocast.jaxprs.structural_names`), its
-    inputs named as the attention's inputs and the cotangent of its result
-    are in the program (which is named once).
+    inlined; :class:`~mixprec._src.autocast.jaxprs.StructuralNames`), its
+    inputs leaves of their own. The program's values computed from the
+    attention's inputs and the cotangent of its result are named the same
+    way, with those leaves (:func:`~mixprec._src.autocast.jaxprs.names_from`).
     The program's equations that compute a value of that ``vjp`` are its
     backward pass, and the variables that hold its results the gradients.
     Nothing else may read their values (nor the forward's intermediates).
@@ -1068,22 +1069,26 @@ def _prove(
             if len(_references) >= 256:
                 _references.clear()
             _references[key] = ref
-    # The program is named once (whatever the number of attentions in it);
-    # the reference is named against it, its inputs being the program's.
-    names = jaxprs.structural_names(jaxpr)
-    ids = names.of
-    leaves = [ids[u] for u in (*m.inputs, ct)]
+    # The reference and the program are named in one table, the attention's
+    # inputs and the cotangent leaves of their own in both. Only the program's
+    # values computed from those leaves are named, going forward from them and
+    # no further than the reference's names: the cost is the attention's, not
+    # the program's.
+    names = jaxprs.StructuralNames()
+    leaves = [names.leaf(k) for k in range(len(m.inputs) + 1)]
     ref_ids = names.of_jaxpr(ref.jaxpr, ref.consts, leaves)
     stop = frozenset(leaves)
     wanted = names.ancestors(ref_ids, stop) - stop
-    by_name = jaxprs.eqns_by_name(jaxpr)
+    ids = jaxprs.names_from(
+        jaxpr, names, dict(zip((*m.inputs, ct), leaves, strict=True)), wanted, users
+    )
+    at_eqn = jaxprs.positions(jaxpr)
     region = frozenset(
         i
-        for n in wanted
-        for i in by_name.get(n, ())
+        for i in {at_eqn[o] for o in ids}
         if i not in m.region
         and i not in dead
-        and all(ids.get(o) in wanted for o in jaxpr.eqns[i].outvars)
+        and all(o in ids for o in jaxpr.eqns[i].outvars)
     )
     if not region:
         return None
@@ -1130,7 +1135,7 @@ def _prove(
         if readers
         else len(jaxpr.eqns)
     )
-    ct_at = next((i for i, e in enumerate(jaxpr.eqns) if ct in e.outvars), -1)
+    ct_at = at_eqn.get(ct, -1)
     if not (m.anchor < at and ct_at < at) or ct_at in region or ct_at in m.region:
         return None
     transposed = region & jaxprs.backward_eqns(jaxpr)
@@ -1151,13 +1156,16 @@ def _prove(
         for slot, spec in enumerate((m.q, m.k, m.v)):
             if spec[0] == pos:
                 full[slot] = grads[j]
-    inside = set(fwd_out) | set(produced)
-    dropped = set()
-    for i in sorted(dead):
-        e = jaxpr.eqns[i]
-        if any(u in inside for u in e.invars if not isinstance(u, Literal)):
+    # The dead equations that read what is replaced, and those reading them.
+    dropped: set[int] = set()
+    stack = [j for o in (*fwd_out, *produced) for j in users.get(o, ()) if j in dead]
+    while stack:
+        i = stack.pop()
+        if i not in dropped:
             dropped.add(i)
-            inside.update(e.outvars)
+            stack += [
+                j for o in jaxpr.eqns[i].outvars for j in users.get(o, ()) if j in dead
+            ]
     return Backward(
         dropped=frozenset(dropped),
         region=region,

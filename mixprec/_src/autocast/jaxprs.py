@@ -3,17 +3,23 @@
 Each is computed once per jaxpr object and kept beside it (weakly), never
 once per match or per equation: who produces and who reads each variable,
 which equations are dead (as ``pe.dce_jaxpr`` would drop them), which JAX's
-transposition emitted, and structural names (equal names, equal
-computations), with which a rewrite proves that a program's equations
-compute what another jaxpr computes.
+transposition emitted, which values are computed from literals only. And
+structural names (equal names, equal computations), with which a rewrite
+proves that a program's equations compute what another jaxpr computes; they
+are given going forward from chosen leaves, so a proof costs what it looks
+at, not the whole program.
 
 Examples:
     >>> import jax, jax.numpy as jnp
-    >>> closed = jax.make_jaxpr(lambda x: (jnp.sin(x), jnp.sin(x)))(1.0)
-    >>> names = structural_names(closed.jaxpr)
-    >>> a, b = closed.jaxpr.eqns[0].outvars[0], closed.jaxpr.eqns[1].outvars[0]
-    >>> names.of[a] == names.of[b]  # sin(x) computed twice is one value
-    True
+    >>> program = jax.make_jaxpr(lambda x: (jnp.sin(x) * 2, jnp.cos(x)))(1.0).jaxpr
+    >>> ref = jax.make_jaxpr(lambda x: jnp.sin(x) * 2)(1.0).jaxpr
+    >>> names = StructuralNames()
+    >>> leaf = names.leaf("x")
+    >>> [want] = names.of_jaxpr(ref, [], [leaf])
+    >>> found = names_from(program, names, {program.invars[0]: leaf},
+    ...                    names.ancestors([want], frozenset([leaf])), users(program))
+    >>> [str(e.primitive) for e in program.eqns if e.outvars[0] in found]  # not cos
+    ['sin', 'mul']
     >>> unused_cos = jax.make_jaxpr(lambda x: (jnp.cos(x), x)[1])(1.0).jaxpr
     >>> sorted(dead_eqns(unused_cos))  # the cos nothing reads
     [0]
@@ -21,6 +27,7 @@ Examples:
 
 from __future__ import annotations
 
+import heapq
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -35,12 +42,14 @@ __all__ = [
     "StructuralNames",
     "backward_eqns",
     "bind_as_written",
+    "constant_vars",
     "dead_eqns",
     "has_jaxpr_params",
+    "names_from",
     "param_key",
+    "positions",
     "producers",
     "read",
-    "structural_names",
     "users",
 ]
 
@@ -163,16 +172,15 @@ class StructuralNames:
     """Structural names of values: equal names, equal computations.
 
     A value's name is an integer interned from its primitive, parameters and
-    its operands' names (``jit`` bodies inlined); an input of a program is a
-    leaf of its own. :attr:`of` names every variable of the program the
-    table was made for; :meth:`of_jaxpr` names another jaxpr's values in the
-    same table, so that equal computations get equal names.
+    its operands' names (``jit`` bodies inlined); an input is a leaf of its
+    own (:meth:`leaf`). :meth:`of_jaxpr` names a whole jaxpr's values and
+    `names_from` a program's values computed from given leaves, in the same
+    table, so that equal computations get equal names.
     """
 
     def __init__(self) -> None:
         self.table: dict[Any, int] = {}
         self.children: dict[int, tuple[int, ...]] = {}
-        self.of: dict[Any, int] = {}
 
     def _intern(self, key: Any, children: tuple[int, ...] = ()) -> int:
         n = self.table.setdefault(key, len(self.table))
@@ -209,17 +217,17 @@ class StructuralNames:
             ins = tuple(
                 [self._literal(u) if type(u) is Literal else env[u] for u in e.invars]
             )
-            inner = (
-                e.params.get("jaxpr") if e.primitive.name in ("jit", "pjit") else None
-            )
-            if inner is not None:
-                body = getattr(inner, "jaxpr", inner)
-                outs = self.of_jaxpr(body, getattr(inner, "consts", ()), ins)
-            else:
-                params = tuple(sorted((k, param_key(v)) for k, v in e.params.items()))
-                key = (e.primitive.name, params, ins)
-                outs = [self._intern((*key, k), ins) for k in range(len(e.outvars))]
-            env.update(zip(e.outvars, outs, strict=True))
+            env.update(zip(e.outvars, self.of_eqn(e, ins), strict=True))
+
+    def of_eqn(self, e: JaxprEqn, ins: tuple[int, ...]) -> list[int]:
+        """The names of ``e``'s results, its operands named ``ins``."""
+        inner = e.params.get("jaxpr") if e.primitive.name in ("jit", "pjit") else None
+        if inner is not None:
+            body = getattr(inner, "jaxpr", inner)
+            return self.of_jaxpr(body, getattr(inner, "consts", ()), ins)
+        params = tuple(sorted((k, param_key(v)) for k, v in e.params.items()))
+        key = (e.primitive.name, params, ins)
+        return [self._intern((*key, k), ins) for k in range(len(e.outvars))]
 
     def ancestors(self, roots: Sequence[int], stop: frozenset[int]) -> set[int]:
         """Every name ``roots`` are computed from, not looking past ``stop``."""
@@ -236,29 +244,92 @@ class StructuralNames:
 
 
 @_per_jaxpr
-def structural_names(jaxpr: Jaxpr) -> StructuralNames:
-    """The structural names of every variable of ``jaxpr`` (its inputs and
-    constants leaves of their own), in a table shared by whatever is named
-    against it later."""
-    names = StructuralNames()
-    env: dict[Any, int] = {
-        v: names.leaf(("free", id(v))) for v in (*jaxpr.constvars, *jaxpr.invars)
-    }
-    names._run(jaxpr, env)
-    names.of = env
-    return names
+def positions(jaxpr: Jaxpr) -> dict[Any, int]:
+    """The index of the equation that computes each variable of ``jaxpr``."""
+    return {o: i for i, e in enumerate(jaxpr.eqns) for o in e.outvars}
 
 
 @_per_jaxpr
-def eqns_by_name(jaxpr: Jaxpr) -> dict[int, tuple[int, ...]]:
-    """The indices of the equations of ``jaxpr`` that compute a variable of
-    each structural name (see `structural_names`): finding the equations of a
-    set of names is then a look-up, not a scan of the program."""
-    of = structural_names(jaxpr).of
-    out: dict[int, list[int]] = {}
-    for i, e in enumerate(jaxpr.eqns):
-        for o in e.outvars:
-            n = of.get(o)
-            if n is not None and (not out.get(n) or out[n][-1] != i):
-                out.setdefault(n, []).append(i)
-    return {n: tuple(i) for n, i in out.items()}
+def constant_vars(jaxpr: Jaxpr) -> frozenset[Any]:
+    """The variables of ``jaxpr`` computed from literals only (an ``iota``,
+    a mask built from it, a ``broadcast`` of a literal), by equations without
+    effects."""
+    const: set[Any] = set()
+    for e in jaxpr.eqns:
+        if not e.effects and all(type(u) is Literal or u in const for u in e.invars):
+            const.update(e.outvars)
+    return frozenset(const)
+
+
+def names_from(
+    jaxpr: Jaxpr,
+    names: StructuralNames,
+    leaves: dict[Any, int],
+    keep: frozenset[int] | set[int],
+    users: dict[Any, list[int]],
+) -> dict[Any, int]:
+    """The structural names of the values of ``jaxpr`` computed from
+    ``leaves`` (variables named there) and from literals, whose names are in
+    ``keep``; found going forward from the leaves, so the cost is that of the
+    equations reached, not of the program.
+
+    A value computed from anything else (another input of the program, a value
+    not named in ``keep``) is left out: its name could not be in ``keep`` when
+    ``keep`` holds every name its members are computed from (as
+    `StructuralNames.ancestors` gives). ``users`` is `users` of ``jaxpr``.
+    """
+    env = dict(leaves)
+    const = constant_vars(jaxpr)
+    at = positions(jaxpr)
+
+    def name_of(u: Any) -> int | None:
+        if type(u) is Literal:
+            return names._literal(u)
+        n = env.get(u)
+        if n is not None or u not in const:
+            return n
+        # A constant: named from its producers (computed from literals only).
+        stack = [u]
+        while stack:
+            v = stack[-1]
+            if v in env:
+                stack.pop()
+                continue
+            e = jaxpr.eqns[at[v]]
+            missing = [w for w in e.invars if type(w) is not Literal and w not in env]
+            if missing:
+                stack += missing
+                continue
+            stack.pop()
+            ins = operands(e)
+            assert ins is not None  # every operand is named now
+            env.update(zip(e.outvars, names.of_eqn(e, ins), strict=True))
+        return env[u]
+
+    def operands(e: JaxprEqn) -> tuple[int, ...] | None:
+        ins = []
+        for u in e.invars:
+            n = name_of(u)
+            if n is None:
+                return None
+            ins.append(n)
+        return tuple(ins)
+
+    found: dict[Any, int] = {}
+    heap = sorted({i for v in leaves for i in users.get(v, ()) if i >= 0})
+    queued = set(heap)
+    while heap:
+        i = heapq.heappop(heap)
+        e = jaxpr.eqns[i]
+        ins = operands(e)
+        if ins is None:
+            continue
+        for o, n in zip(e.outvars, names.of_eqn(e, ins), strict=True):
+            if n not in keep:
+                continue
+            env[o] = found[o] = n
+            for j in users.get(o, ()):
+                if j >= 0 and j not in queued:
+                    queued.add(j)
+                    heapq.heappush(heap, j)
+    return found
