@@ -103,3 +103,21 @@ def test_constant_vars_and_positions():
     assert jaxpr.outvars[0] not in const
     for i, e in enumerate(jaxpr.eqns):
         assert all(at[o] == i for o in e.outvars)
+
+
+def test_backward_eqns_are_those_jax_transposition_emitted():
+    def loss(w, x):
+        with jax.named_scope("transpose"):  # a scope of that name is no transform
+            h = jnp.tanh(x @ w)
+        return jnp.sum(h * h)
+
+    w, x = jnp.ones((3, 3)), jnp.ones((2, 3))
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(w, x).jaxpr
+    backward = jaxprs.backward_eqns(jaxpr)
+    by_text = {
+        i
+        for i, e in enumerate(jaxpr.eqns)
+        if "transpose(" in str(e.source_info.name_stack)
+    }
+    assert backward == by_text
+    assert backward and len(backward) < len(jaxpr.eqns)

@@ -18,7 +18,12 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax._src import api_util as _api_util, config as _config_lib, core as _core
+from jax._src import (
+    api_util as _api_util,
+    config as _config_lib,
+    core as _core,
+    source_info_util as _siu_internal,
+)
 from jax._src.interpreters import ad as _ad, partial_eval as _pe
 from jax.extend import linear_util as _lu, source_info_util as _siu
 from jax.extend.core import ClosedJaxpr, Jaxpr, jaxpr_as_fun as _jaxpr_as_fun
@@ -553,6 +558,23 @@ def eqn_name_stack(source_info: Any) -> str:
     if source_info is None:
         return ""
     return str(source_info.name_stack)
+
+
+def eqn_transformed_by(source_info: Any, transform: str) -> bool:
+    """Whether an eqn was traced under the named transformation
+    (``"transpose"``: JAX's transposition emitted it), read from its name
+    stack's elements where they are JAX's ``Transform`` records, else from its
+    text (``"transpose(jvp(Net))/Dense_0"``)."""
+    if source_info is None:
+        return False
+    stack = getattr(source_info.name_stack, "stack", None)
+    transform_type = getattr(_siu_internal, "Transform", None)
+    if stack is None or transform_type is None:
+        return f"{transform}(" in str(source_info.name_stack)
+    for elem in stack:
+        if type(elem) is transform_type and elem.name == transform:
+            return True
+    return False
 
 
 # -- equation parameters that JAX versions spell differently -------------------------

@@ -144,7 +144,7 @@ def backward_eqns(jaxpr: Jaxpr) -> frozenset[int]:
     return frozenset(
         i
         for i, e in enumerate(jaxpr.eqns)
-        if "transpose(" in _compat.eqn_name_stack(e.source_info)
+        if _compat.eqn_transformed_by(e.source_info, "transpose")
     )
 
 
