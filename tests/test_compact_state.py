@@ -174,6 +174,30 @@ def test_second_moment_never_rounds_to_zero():
         assert bool(jnp.all(codes.decode(codes.encode(v, tier, rnd, block=256)) > 0))
 
 
+@pytest.mark.parametrize("tier", ["int8", "float8"])
+@pytest.mark.parametrize("scale", [1e-30, 1e-20, 1.0, 1e20, 1e30, 3e38])
+def test_codes_hold_blocks_of_any_magnitude(tier, scale):
+    """Blocks whose largest magnitude is tiny or huge (where the reciprocal of
+    the block's scale would leave float32's normal range) are stored as well
+    as blocks near 1: finite, each element within the code's step of the
+    block's scale, positive values of a non-negative block kept positive."""
+    rng = np.random.default_rng(0)
+    x = np.abs(rng.normal(size=256)).astype(np.float32)
+    x = (x / x.max() * np.float32(scale)).astype(np.float32)
+    signed = x.copy()
+    signed[::2] *= -1
+    rnd = bits.random_bits(bits.global_index((256,)), jnp.int32(3), 7)
+    for block, tol in ((x, 0.125), (signed, 0.07)):
+        d = np.asarray(
+            codes.decode(codes.encode(jnp.asarray(block), tier, rnd, block=256))
+        )
+        assert np.all(np.isfinite(d)), (tier, scale)
+        err = np.max(np.abs(d.astype(np.float64) - block)) / np.abs(block).max()
+        assert err <= tol, (tier, scale, err)
+        if block is x:
+            assert np.all(d > 0)
+
+
 def test_random_bits_do_not_depend_on_sharding(mesh8):
     shape = (16, 256)
     ref = bits.random_bits(bits.global_index(shape), jnp.int32(4), 9)

@@ -371,10 +371,27 @@ def _trip(n: Any) -> int:
 
 @ft.lru_cache(maxsize=8192)
 def _stack_info(name_stack: Any) -> tuple[tuple[str, Any] | None, bool]:
+    """The region a name stack names and whether it is inside JAX's
+    transposition; kept per name stack object (the equations traced in one
+    scope share theirs), so a program's thousands of equations are read as
+    text once per scope."""
+    found = _STACK_INFO.get(id(name_stack))
+    if found is not None and found[0] is name_stack:
+        return found[1]
     text = str(name_stack)
-    if not text:
-        return None, False
-    return regions.parse_name_stack(text), "transpose(" in text
+    info = (
+        (regions.parse_name_stack(text), "transpose(" in text)
+        if text
+        else (None, False)
+    )
+    if len(_STACK_INFO) >= _CACHE_LIMIT:
+        _STACK_INFO.clear()
+    _STACK_INFO[id(name_stack)] = (name_stack, info)  # held: its id stays its own
+    return info
+
+
+_CACHE_LIMIT = 4096
+_STACK_INFO: dict[int, tuple[Any, tuple[tuple[str, Any] | None, bool]]] = {}
 
 
 # ------------------------------------------------------------------ rules' view
@@ -594,6 +611,33 @@ def _as_traced(
             return False
         n_floats += 1
     name = eqn.primitive.name
+    key = (id(cfg), name, n_floats, walk.backward)
+    found = _AS_TRACED.get(key)
+    # (The config and the op's table entry as they were: a config held keeps
+    # its id its own, and an op registered since is another entry.)
+    if found is not None and found[0] is cfg and found[1] is spec:
+        return found[2]
+    verdict = _keeps_as_traced(cfg, name, spec, n_floats, walk.backward)
+    if len(_AS_TRACED) >= _CACHE_LIMIT:
+        _AS_TRACED.clear()
+    _AS_TRACED[key] = (cfg, spec, verdict)
+    return verdict
+
+
+_AS_TRACED: dict[
+    tuple[int, str, int, bool], tuple[CastConfig, ops.OpSpec | None, bool]
+] = {}
+
+
+def _keeps_as_traced(
+    cfg: CastConfig,
+    name: str,
+    spec: ops.OpSpec | None,
+    n_floats: int,
+    backward: bool,
+) -> bool:
+    """Whether :func:`decide` keeps op ``name`` with ``n_floats`` float32
+    operands as traced under ``cfg`` (see :func:`_as_traced`)."""
     # (`decide_eqn` decides a `mul` of a value by itself as a `square`.)
     for lookup in (name, "square") if name == "mul" else (name,):
         lookup_spec = spec if lookup == name else ops.spec_for(lookup)
@@ -611,7 +655,7 @@ def _as_traced(
             mode=cfg.mode,
             low=np.dtype(cfg.low_dtype),
             flags=flags,
-            backward=walk.backward,
+            backward=backward,
             reduce=cfg.policy.reduce_dtype,
         ):
             return False

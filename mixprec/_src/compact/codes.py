@@ -141,9 +141,8 @@ def _choose(
     """
     vlo = jnp.where(square, lo * lo, lo)
     vhi = jnp.where(square, hi * hi, hi)
-    gap = vhi - vlo
-    p = jnp.where(gap > 0, (y - vlo) / jnp.where(gap > 0, gap, 1.0), 0.0)
-    return jnp.where(u < p, hi, lo)
+    # u < (y - lo) / gap, without the division (where hi == lo either is it).
+    return jnp.where(u * (vhi - vlo) < y - vlo, hi, lo)
 
 
 def _int8_layout(rooted: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -184,16 +183,31 @@ def encode(x: jax.Array, tier: str, random: jax.Array, *, block: int) -> Any:
         )
     xb = _blocks(x32, block)
     u = bits_lib.uniform(_blocks(random, block))
-    # Both block statistics from the largest and the smallest value, two
-    # reductions of the same input (XLA reads it once; no |x| in memory).
-    largest = jnp.max(xb, axis=-1, keepdims=True)
-    smallest = jnp.min(xb, axis=-1, keepdims=True)
+    # Both block statistics from the largest and the smallest value, in one
+    # reduction (one pass over the block; no |x| in memory).
+    largest, smallest = lax.reduce(
+        (xb, xb),
+        (jnp.float32(-jnp.inf), jnp.float32(jnp.inf)),
+        lambda a, b: (lax.max(a[0], b[0]), lax.min(a[1], b[1])),
+        (xb.ndim - 1,),
+    )
+    largest, smallest = largest[..., None], smallest[..., None]
     absmax = jnp.abs(jnp.maximum(largest, -smallest))  # (|-0.0| is 0.0)
     # A block with no negative value (a second moment) takes the square-root
     # code; every other block the signed direct code. One code per element,
     # with the block's parameters.
     nonneg = smallest >= 0
-    y = jnp.abs(xb) / jnp.where(absmax > 0, absmax, 1.0)  # in [0, 1]
+    # In [0, 1]: multiplies by the block's reciprocal, not a division per
+    # element (the product can exceed 1 by an ulp). A block of tiny or huge
+    # values is first scaled by 2**64 or 2**-64 (exactly), so that the
+    # reciprocal is a normal float32 (CPUs flush subnormals to zero).
+    lift = jnp.where(
+        absmax < jnp.float32(2.0**-64),
+        jnp.float32(2.0**64),
+        jnp.where(absmax > jnp.float32(2.0**64), jnp.float32(2.0**-64), 1.0),
+    )
+    inverse = 1.0 / jnp.where(absmax > 0, absmax * lift, 1.0)
+    y = jnp.minimum(jnp.abs(xb) * lift * inverse, 1.0)
     t = jnp.where(nonneg, jnp.sqrt(y), y)
     # Never flush a positive value of a non-negative block to 0.
     keep = nonneg & (y > 0)
