@@ -845,6 +845,27 @@ def test_a_walk_pauses_the_garbage_collector_and_restores_it(monkeypatch):
     assert seen == [False, False]
 
 
+def test_tracing_the_function_pauses_the_garbage_collector_and_restores_it():
+    import gc
+
+    seen = []
+
+    def f(x):
+        seen.append(gc.isenabled())
+        return jnp.tanh(x @ x)
+
+    out = jax.jit(mixprec.autocast(f, "mixed_bfloat16"))(jnp.ones((4, 4)))
+    assert seen == [False] and gc.isenabled()
+    assert out.dtype == F32
+
+    def failing(x):
+        raise ValueError("user code failed")
+
+    with pytest.raises(ValueError, match="user code failed"):
+        jax.jit(mixprec.autocast(failing, "mixed_bfloat16"))(jnp.ones((4, 4)))
+    assert gc.isenabled()
+
+
 def test_primitives_under_grad_go_through_cached_jits_and_stage_the_same_program(
     monkeypatch,
 ):

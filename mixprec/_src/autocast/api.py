@@ -229,7 +229,8 @@ def trace_source(
 
     in_avals = [_aval(leaves[i]) for i in dyn_idx]
     name = getattr(fn, "__name__", type(fn).__name__)
-    closed = _compat.trace_to_closed_jaxpr(flat_fn, in_avals, name=name)
+    with _collector_paused():
+        closed = _compat.trace_to_closed_jaxpr(flat_fn, in_avals, name=name)
     return Source(
         closed=closed,
         jaxpr=_compat.convert_constvars_jaxpr(closed.jaxpr),
@@ -321,13 +322,16 @@ def _walk(
 
 @contextlib.contextmanager
 def _collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector paused (where it runs) for a walk.
+    """Python's cyclic garbage collector paused (where it runs) while a
+    function is traced and walked.
 
-    A walk allocates a program's worth of objects that live on (equations,
+    Both allocate a program's worth of objects that live on (equations,
     tracers, tables), so the collector keeps running collections of its older
     generations, each traversing the whole heap, and finds little: measured,
-    about a sixth of a whole step's walk. It collects as usual once the walk is
-    done (an error included).
+    about a sixth of a whole step's walk, and 0.58 s of a 24-layer GPT step's
+    3.96 s under autocast. It collects as usual once the trace or the walk is
+    done (an error included); memory freed by reference counting is freed as
+    it goes.
     """
     if not gc.isenabled():
         yield
