@@ -371,27 +371,10 @@ def _trip(n: Any) -> int:
 
 @ft.lru_cache(maxsize=8192)
 def _stack_info(name_stack: Any) -> tuple[tuple[str, Any] | None, bool]:
-    """The region a name stack names and whether it is inside JAX's
-    transposition; kept per name stack object (the equations traced in one
-    scope share theirs), so a program's thousands of equations are read as
-    text once per scope."""
-    found = _STACK_INFO.get(id(name_stack))
-    if found is not None and found[0] is name_stack:
-        return found[1]
     text = str(name_stack)
-    info = (
-        (regions.parse_name_stack(text), "transpose(" in text)
-        if text
-        else (None, False)
-    )
-    if len(_STACK_INFO) >= _CACHE_LIMIT:
-        _STACK_INFO.clear()
-    _STACK_INFO[id(name_stack)] = (name_stack, info)  # held: its id stays its own
-    return info
-
-
-_CACHE_LIMIT = 4096
-_STACK_INFO: dict[int, tuple[Any, tuple[tuple[str, Any] | None, bool]]] = {}
+    if not text:
+        return None, False
+    return regions.parse_name_stack(text), "transpose(" in text
 
 
 # ------------------------------------------------------------------ rules' view
@@ -618,7 +601,7 @@ def _as_traced(
     if found is not None and found[0] is cfg and found[1] is spec:
         return found[2]
     verdict = _keeps_as_traced(cfg, name, spec, n_floats, walk.backward)
-    if len(_AS_TRACED) >= _CACHE_LIMIT:
+    if len(_AS_TRACED) >= 4096:
         _AS_TRACED.clear()
     _AS_TRACED[key] = (cfg, spec, verdict)
     return verdict
