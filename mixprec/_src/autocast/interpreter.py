@@ -594,33 +594,6 @@ def _as_traced(
             return False
         n_floats += 1
     name = eqn.primitive.name
-    key = (id(cfg), name, n_floats, walk.backward)
-    found = _AS_TRACED.get(key)
-    # (The config and the op's table entry as they were: a config held keeps
-    # its id its own, and an op registered since is another entry.)
-    if found is not None and found[0] is cfg and found[1] is spec:
-        return found[2]
-    verdict = _keeps_as_traced(cfg, name, spec, n_floats, walk.backward)
-    if len(_AS_TRACED) >= 4096:
-        _AS_TRACED.clear()
-    _AS_TRACED[key] = (cfg, spec, verdict)
-    return verdict
-
-
-_AS_TRACED: dict[
-    tuple[int, str, int, bool], tuple[CastConfig, ops.OpSpec | None, bool]
-] = {}
-
-
-def _keeps_as_traced(
-    cfg: CastConfig,
-    name: str,
-    spec: ops.OpSpec | None,
-    n_floats: int,
-    backward: bool,
-) -> bool:
-    """Whether :func:`decide` keeps op ``name`` with ``n_floats`` float32
-    operands as traced under ``cfg`` (see :func:`_as_traced`)."""
     # (`decide_eqn` decides a `mul` of a value by itself as a `square`.)
     for lookup in (name, "square") if name == "mul" else (name,):
         lookup_spec = spec if lookup == name else ops.spec_for(lookup)
@@ -638,7 +611,7 @@ def _keeps_as_traced(
             mode=cfg.mode,
             low=np.dtype(cfg.low_dtype),
             flags=flags,
-            backward=backward,
+            backward=walk.backward,
             reduce=cfg.policy.reduce_dtype,
         ):
             return False
