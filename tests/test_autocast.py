@@ -965,3 +965,30 @@ def test_float32_ops_taken_as_traced_stage_what_deciding_them_stages(
     slow, slow_sources = staged()
     assert fast == slow
     assert fast_sources == slow_sources
+
+
+def test_a_scope_spelled_like_a_transform_is_no_backward_pass():
+    # The backward pass is what JAX's transposition emitted (its `Transform`
+    # records in the name stack), not any scope whose text reads "transpose(":
+    # a forward product there is rounded like any other, and the real backward
+    # pass still keeps a float32 weight's gradient in float32.
+    def loss(w, x, scope):
+        with jax.named_scope(scope):
+            h = x @ w
+        return jnp.sum(jnp.tanh(h))
+
+    w = jnp.ones((4, 4), F32) * 0.1
+    x = jnp.ones((2, 4), F32)
+    for scope in ("plain", "transpose(mine)"):
+        f = mixprec.autocast(
+            lambda w, x, s=scope: loss(w, x, s), policy="mixed_bfloat16"
+        )
+        # The product's result is bfloat16 (its CPU formulation multiplies
+        # rounded operands in float32), so the tanh after it runs in bfloat16.
+        tanhs = [
+            e for e in iter_eqns(jax.make_jaxpr(f)(w, x)) if e.primitive.name == "tanh"
+        ]
+        assert [e.outvars[0].aval.dtype for e in tanhs] == [BF16], scope
+        grad = jax.grad(f)(w, x)
+        assert grad.dtype == F32
+        np.testing.assert_allclose(grad, jax.grad(loss)(w, x, scope), rtol=1e-2)

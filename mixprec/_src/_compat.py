@@ -562,19 +562,25 @@ def eqn_name_stack(source_info: Any) -> str:
 
 def eqn_transformed_by(source_info: Any, transform: str) -> bool:
     """Whether an eqn was traced under the named transformation
-    (``"transpose"``: JAX's transposition emitted it), read from its name
-    stack's elements where they are JAX's ``Transform`` records, else from its
-    text (``"transpose(jvp(Net))/Dense_0"``)."""
+    (``"transpose"``: JAX's transposition emitted it); see
+    `name_stack_transformed_by`."""
     if source_info is None:
         return False
-    stack = getattr(source_info.name_stack, "stack", None)
+    return name_stack_transformed_by(source_info.name_stack, transform)
+
+
+def name_stack_transformed_by(name_stack: Any, transform: str) -> bool:
+    """Whether a name stack holds the named transformation, read from its
+    elements where they are JAX's ``Transform`` records (so a user's scope
+    spelled ``"transpose(...)"`` is none), else from its text
+    (``"transpose(jvp(Net))/Dense_0"``)."""
+    stack = getattr(name_stack, "stack", None)
     transform_type = getattr(_siu_internal, "Transform", None)
     if stack is None or transform_type is None:
-        return f"{transform}(" in str(source_info.name_stack)
-    for elem in stack:
-        if type(elem) is transform_type and elem.name == transform:
-            return True
-    return False
+        return f"{transform}(" in str(name_stack)
+    return any(
+        type(elem) is transform_type and elem.name == transform for elem in stack
+    )
 
 
 # -- equation parameters that JAX versions spell differently -------------------------

@@ -374,7 +374,8 @@ def _stack_info(name_stack: Any) -> tuple[tuple[str, Any] | None, bool]:
     text = str(name_stack)
     if not text:
         return None, False
-    return regions.parse_name_stack(text), "transpose(" in text
+    backward = _compat.name_stack_transformed_by(name_stack, "transpose")
+    return regions.parse_name_stack(text), backward
 
 
 # ------------------------------------------------------------------ rules' view
