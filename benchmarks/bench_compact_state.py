@@ -29,7 +29,9 @@ Results are written after every run to
 runs already there (same step count), so an interrupted run keeps what it
 finished and a second invocation only trains the (variant, seed) pairs that are
 missing (``--rerun`` trains them again, ``--fresh`` starts a new file;
-``--warmup N`` puts a linear warmup of N steps before the cosine);
+``--warmup N`` puts a linear warmup of N steps before the cosine, ``--peak-lr``
+sets its peak, ``--pretrain N`` fine-tunes float32 params pretrained for N
+steps instead of training from scratch);
 ``--table`` re-renders the table from the JSON.
 """
 
@@ -42,6 +44,7 @@ import pathlib
 import statistics
 import sys
 import time
+from functools import partial
 from typing import Any
 
 
@@ -78,17 +81,26 @@ DEFAULT = (
     "bfloat16-exact/bfloat16-sr",
     "bfloat16-exact/float8",
 )
+PEAK_LR = 3e-3
+PRETRAIN_WARMUP = 100
 TARGET_GAP = 0.004
 NAIVE_GAP = 0.01
 BYTES_TARGETS = {"bfloat16-sr/int8": 6.1, "bfloat16-sr/bfloat16-sr": 8.0}
 
 
-def make_optimizer(variant: str, steps: int, warmup: int = 0) -> tuple[Any, Any]:
-    """(optimizer, params dtype) of a variant."""
+def schedule(steps: int, warmup: int = 0, peak: float = PEAK_LR) -> Any:
+    """Cosine from ``peak`` to ``peak / 100`` over ``steps``, after a linear
+    warmup from 0 over ``warmup`` steps if any."""
     if warmup:
-        lr = optax.warmup_cosine_decay_schedule(0.0, 3e-3, warmup, steps, 3e-5)
-    else:
-        lr = optax.cosine_decay_schedule(3e-3, steps, alpha=0.01)
+        return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, steps, peak / 100)
+    return optax.cosine_decay_schedule(peak, steps, alpha=0.01)
+
+
+def make_optimizer(
+    variant: str, steps: int, warmup: int = 0, peak: float = PEAK_LR
+) -> tuple[Any, Any]:
+    """(optimizer, params dtype) of a variant."""
+    lr = schedule(steps, warmup, peak)
     if variant == "float32":
         return optax.adamw(lr, b2=0.95, weight_decay=0.1), jnp.float32
     if variant == "bf16-rtn":
@@ -101,38 +113,74 @@ def make_optimizer(variant: str, steps: int, warmup: int = 0) -> tuple[Any, Any]
     return opt, (jnp.float32 if weights == "float32" else jnp.bfloat16)
 
 
+def loss_fn(workload: Any, p: Any, batch: Any) -> jax.Array:
+    """Cross-entropy of ``workload``'s model, computing in float32."""
+    x, y = batch
+    p32 = jax.tree.map(lambda a: a.astype(jnp.float32), p)
+    return models.cross_entropy(workload.apply(p32, x), y)
+
+
+def pretrain(workload: Any, seed: int, steps: int) -> Any:
+    """float32 params after ``steps`` AdamW steps of the warmup recipe (linear
+    warmup over 100 steps to 3e-3, cosine to 3e-5) on the seed's batches."""
+    opt = optax.adamw(schedule(steps, PRETRAIN_WARMUP), b2=0.95, weight_decay=0.1)
+
+    @jax.jit
+    def step(p: Any, s: Any, batch: Any) -> tuple[Any, Any]:
+        grads = jax.grad(lambda p: loss_fn(workload, p, batch))(p)
+        updates, s = opt.update(grads, s, p)
+        return optax.apply_updates(p, updates), s
+
+    params = workload.init(jax.random.key(seed))
+    state = opt.init(params)
+    batches = workload.train_batches(seed)
+    for _ in range(steps):
+        params, state = step(params, state, next(batches))
+    return params
+
+
 def run(
-    workload: Any, variant: str, seeds: list[int], steps: int, warmup: int = 0
+    workload: Any,
+    variant: str,
+    seeds: list[int],
+    steps: int,
+    warmup: int = 0,
+    peak: float = PEAK_LR,
+    initial: Any = None,
 ) -> list[dict[str, Any]]:
-    """Trains one variant once per seed (one compilation for all seeds)."""
-    opt, dtype = make_optimizer(variant, steps, warmup)
+    """Trains one variant once per seed (one compilation for all seeds).
+
+    ``initial(seed)``, if given, returns the float32 params to start from (a
+    pretrained model, fine-tuned here on another stream of batches); otherwise
+    the run starts from the seed's initialisation.
+    """
+    opt, dtype = make_optimizer(variant, steps, warmup, peak)
     weights = variant.split("/")[0] if "/" in variant else None
 
     def start(seed: int) -> tuple[Any, Any]:
-        params32 = workload.init(jax.random.key(seed))
+        if initial is None:
+            params32 = workload.init(jax.random.key(seed))
+        else:  # a copy: the step donates its params
+            params32 = jax.tree.map(jnp.copy, initial(seed))
         if weights is not None:
             return mp_optax.compact_params(params32, weights), opt.init(params32)
         params = jax.tree.map(lambda p: p.astype(dtype), params32)
         return params, opt.init(params)
 
-    def loss_fn(p: Any, batch: Any) -> jax.Array:
-        x, y = batch
-        p32 = jax.tree.map(lambda a: a.astype(jnp.float32), p)
-        return models.cross_entropy(workload.apply(p32, x), y)
-
     def step(p: Any, s: Any, batch: Any) -> tuple[Any, Any, jax.Array]:
-        loss, grads = jax.value_and_grad(loss_fn)(p, batch)
+        loss, grads = jax.value_and_grad(partial(loss_fn, workload))(p, batch)
         updates, s = opt.update(grads, s, p)
         return optax.apply_updates(p, updates), s, loss
 
     def eval_fn(p: Any, batch: Any) -> tuple[jax.Array, jax.Array]:
-        return loss_fn(p, batch), jnp.zeros([])
+        return loss_fn(workload, p, batch), jnp.zeros([])
 
     compiled = None
     out = []
     for seed in seeds:
         params, state = start(seed)
-        batches = workload.train_batches(seed)
+        # A fine-tuning run reads batches the pretraining did not.
+        batches = workload.train_batches(seed if initial is None else seed + 1000)
         batch = next(batches)
         if compiled is None:
             compiled = (
@@ -140,7 +188,7 @@ def run(
                 .lower(params, state, batch)
                 .compile()
             )
-        grads = jax.grad(loss_fn)(params, batch)
+        grads = jax.grad(partial(loss_fn, workload))(params, batch)
         bytes_pp = state_bytes_per_param(params, grads, state)
         t0 = time.perf_counter()
         losses = []
@@ -331,6 +379,20 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="linear warmup steps before the cosine (0: the cosine from step 0)",
     )
+    parser.add_argument(
+        "--peak-lr",
+        type=float,
+        default=PEAK_LR,
+        help="the schedule's peak learning rate (it decays to a hundredth)",
+    )
+    parser.add_argument(
+        "--pretrain",
+        type=int,
+        default=0,
+        metavar="N",
+        help="fine-tune: start every run from float32 params pretrained for N "
+        "steps (warmup 100, 3e-3 -> 3e-5), on batches the pretraining did not read",
+    )
     parser.add_argument("--no-timing", action="store_true")
     parser.add_argument(
         "--timing-only",
@@ -364,15 +426,27 @@ def main(argv: list[str] | None = None) -> int:
         argv if argv is not None else sys.argv[1:]
     )
     environment = timing.environment()
+    peak, end = f"{args.peak_lr:g}", f"{args.peak_lr / 100:g}"
+    optimizer = (
+        f"optax.adamw(cosine {peak} -> {end}, b2=0.95, weight_decay=0.1)"
+        if not args.warmup
+        else f"optax.adamw(linear warmup 0 -> {peak} over {args.warmup} steps, "
+        f"cosine -> {end}, b2=0.95, weight_decay=0.1)"
+    )
+    if args.pretrain:
+        optimizer = (
+            f"fine-tuning float32 params pretrained for {args.pretrain} steps "
+            f"(warmup {PRETRAIN_WARMUP}, 3e-3 -> 3e-5) with {optimizer} and a fresh "
+            "optimizer state, on other batches"
+        )
     results: dict[str, Any] = {
         "commands": [command],
         "workload": workload.title,
         "steps": args.steps,
-        "optimizer": "optax.adamw(cosine 3e-3 -> 3e-5, b2=0.95, weight_decay=0.1)"
-        if not args.warmup
-        else f"optax.adamw(linear warmup 0 -> 3e-3 over {args.warmup} steps, "
-        "cosine -> 3e-5, b2=0.95, weight_decay=0.1)",
+        "optimizer": optimizer,
         "warmup": args.warmup,
+        "peak_lr": args.peak_lr,
+        "pretrain": args.pretrain,
         "environment": environment,
         "environments": [environment],
         "runs": [],
@@ -383,10 +457,17 @@ def main(argv: list[str] | None = None) -> int:
         else json.loads(path_json.read_text())
     )
     if old is not None:
-        if (old["steps"], old.get("warmup", 0)) != (args.steps, args.warmup):
+        recipe = (args.steps, args.warmup, args.peak_lr, args.pretrain)
+        held = (
+            old["steps"],
+            old.get("warmup", 0),
+            old.get("peak_lr", PEAK_LR),
+            old.get("pretrain", 0),
+        )
+        if held != recipe:
             parser.error(
-                f"{path_json} holds runs of {old['steps']} steps with warmup "
-                f"{old.get('warmup', 0)}; pass --name for another file or --fresh"
+                f"{path_json} holds runs of (steps, warmup, peak lr, pretrain) "
+                f"{held}, not {recipe}; pass --name for another file or --fresh"
             )
         results["runs"] = old["runs"]
         results["commands"] = old.get("commands", [old.get("command")]) + [command]
@@ -438,12 +519,27 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0
     keys = ("variant", "seed", "eval_loss", "bytes_per_param", "num_missed")
+    pretrained: dict[int, Any] = {}
+
+    def initial(seed: int) -> Any:
+        if seed not in pretrained:
+            pretrained[seed] = pretrain(workload, seed, args.pretrain)
+        return pretrained[seed]
+
     for v in args.variants:
         done = {r["seed"] for r in results["runs"] if r["variant"] == v}
         seeds = args.seeds if args.rerun else [s for s in args.seeds if s not in done]
         if not seeds:
             continue
-        for r in run(workload, v, seeds, args.steps, args.warmup):
+        for r in run(
+            workload,
+            v,
+            seeds,
+            args.steps,
+            args.warmup,
+            args.peak_lr,
+            initial if args.pretrain else None,
+        ):
             print(json.dumps({k: r[k] for k in keys}), flush=True)
             results["runs"] = [
                 o

@@ -716,3 +716,42 @@ def test_params_in_the_wrong_dtype_are_refused():
         opt.update(_grads(0, _params32()), state, _params32())
     with pytest.raises(ValueError, match=r"needs `params`"):
         opt.update(_grads(0, _params32()), state)
+
+
+@pytest.mark.standard_promotion  # optax's bias correction promotes implicitly
+def test_update_traces_each_leaf_shape_once(monkeypatch):
+    # A model's leaves repeat a few shapes; the per-leaf work (about 300 JAX
+    # operations) is traced once per shape, not once per leaf and moment.
+    encoded, landed = [], []
+    encode, landing = codes.encode, bits.landing_update
+    monkeypatch.setattr(
+        codes, "encode", lambda *a, **k: encoded.append(1) or encode(*a, **k)
+    )
+    monkeypatch.setattr(
+        bits, "landing_update", lambda *a, **k: landed.append(1) or landing(*a, **k)
+    )
+    # A shape no other test uses, so that nothing is cached already.
+    params32 = {f"w{i}": jnp.full((3, 224), 0.01 * (i + 1)) for i in range(12)}
+    opt = mpo.compact_state(
+        optax.adamw(1e-3), weights="bfloat16-sr", moments="int8", policy="p=bf16,c=bf16"
+    )
+    state = opt.init(params32)  # eager: encodes each leaf (the first one traces)
+    params = mpo.compact_params(params32, "bfloat16-sr")
+    grads = jax.tree.map(lambda p: p * 0.1, params)
+    encoded.clear()
+
+    @jax.jit
+    def step(p, s, g):
+        updates, s = opt.update(g, s, p)
+        return optax.apply_updates(p, updates), s
+
+    new_params, new_state = step(params, state, grads)
+    # The moments' encoding was traced by `init` already (same shape, tier and
+    # block; the random stream is an argument), the weights' once for 12 leaves.
+    assert len(encoded) == 0
+    assert len(landed) == 1
+    assert_tree_dtypes(new_params, jax.tree.map(lambda p: p.dtype, params))
+    assert not any(
+        bool(jnp.all(a == b))
+        for a, b in zip(jax.tree.leaves(new_params), jax.tree.leaves(params))
+    )

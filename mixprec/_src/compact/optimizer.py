@@ -5,6 +5,7 @@ Imported by ``mixprec.optax`` only (it imports optax).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -93,9 +94,69 @@ def _shard_layout(
     return offsets, gshape
 
 
-def _index(x: Any, spec: Any) -> jax.Array:
+def _index(x: Any, spec: Any) -> jax.Array | None:
+    """The global indices of ``x``'s elements inside ``shard_map``; ``None``
+    for a whole array (the kernels below then compute them)."""
+    if spec is None:
+        return None
     offsets, gshape = _shard_layout(spec, tuple(x.shape))
     return bits_lib.global_index(x.shape, offsets, gshape)
+
+
+# The per-leaf work, each a `jax.jit` of its own: a model's leaves repeat a few
+# shapes (one per layer), so each shape is traced once, not once per leaf (JAX
+# traces some 300 operations per leaf here; XLA inlines the calls).
+
+
+def _bits(
+    x: jax.Array, index: jax.Array | None, step: jax.Array, constant: jax.Array
+) -> jax.Array:
+    if index is None:
+        index = bits_lib.global_index(x.shape)
+    return bits_lib.random_bits(index, step, constant)
+
+
+@functools.partial(jax.jit, static_argnames=("tier", "block"))
+def _encode_leaf(
+    x: jax.Array,
+    index: jax.Array | None,
+    step: jax.Array,
+    constant: jax.Array,
+    *,
+    tier: str,
+    block: int,
+) -> Any:
+    return codes.encode(x, tier, _bits(x, index, step, constant), block=block)
+
+
+_decode_leaf = jax.jit(codes.decode)
+
+
+@functools.partial(jax.jit, static_argnames=("exact", "update_dtype"))
+def _land_leaf(
+    p: jax.Array,
+    new32: jax.Array,
+    index: jax.Array | None,
+    step: jax.Array,
+    constant: jax.Array,
+    *,
+    exact: bool,
+    update_dtype: Any,
+) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+    """(update, remainder or None, elements missed) of one weight leaf."""
+    lo = None
+    if exact:
+        target, lo = bits_lib.split_exact(new32)
+    else:
+        target = bits_lib.round_bfloat16_stochastic(
+            new32, _bits(p, index, step, constant)
+        )
+    update, landed = bits_lib.landing_update(p, target, update_dtype)
+    return update, lo, jnp.sum(~landed, dtype=jnp.int32)
+
+
+def _constant(seed: int, leaf: int, stream: int) -> jax.Array:
+    return jnp.asarray(bits_lib.stream_constant(seed, leaf, stream), jnp.uint32)
 
 
 def compact_params(params: Any, weights: str = "bfloat16-sr") -> Any:
@@ -341,10 +402,14 @@ def compact_state(
         for i, (path, x) in enumerate(flat):
             if _is_float(x) and np.ndim(x) >= 1 and tuple(x.shape) in shapes:
                 spec = spec_for(path, tuple(x.shape), specs)
-                rnd = bits_lib.random_bits(
-                    _index(x, spec), count, bits_lib.stream_constant(seed, i, stream)
+                x = _encode_leaf(
+                    x,
+                    _index(x, spec),
+                    count,
+                    _constant(seed, i, stream),
+                    tier=moments,
+                    block=block_size,
                 )
-                x = codes.encode(x, moments, rnd, block=block_size)
             out.append(x)
         return jax.tree.unflatten(treedef, out)
 
@@ -400,7 +465,11 @@ def compact_state(
             p32 = jax.tree.map(lambda p: p.astype(jnp.float32), params)
         else:
             p32 = None
-        inner32 = jax.tree.map(codes.decode, state.inner_state, is_leaf=is_compressed)
+        inner32 = jax.tree.map(
+            lambda c: _decode_leaf(c) if is_compressed(c) else c,
+            state.inner_state,
+            is_leaf=is_compressed,
+        )
         u32, new_inner = inner.update(grads, inner32, p32, **extra_args)
         count = state.step
         new_inner = encode_state(
@@ -428,17 +497,19 @@ def compact_state(
             zip(p_flat, u_flat, m_flat, path_flat, strict=True)
         ):
             new32 = m + u.astype(jnp.float32)  # what optax.apply_updates does
-            if weights == "bfloat16-exact":
-                target, lo = bits_lib.split_exact(new32)
+            spec = spec_for(path, tuple(p.shape), specs)
+            step, lo, miss = _land_leaf(
+                p,
+                new32,
+                _index(p, spec),
+                count,
+                _constant(seed, i, _WEIGHTS),
+                exact=weights == "bfloat16-exact",
+                update_dtype=update_dtype,
+            )
+            if lo is not None:
                 out_r.append(lo)
-            else:
-                spec = spec_for(path, tuple(p.shape), specs)
-                rnd = bits_lib.random_bits(
-                    _index(p, spec), count, bits_lib.stream_constant(seed, i, _WEIGHTS)
-                )
-                target = bits_lib.round_bfloat16_stochastic(new32, rnd)
-            step, landed = bits_lib.landing_update(p, target, update_dtype)
-            missed = missed + jnp.sum(~landed, dtype=jnp.int32)
+            missed = missed + miss
             out_u.append(step)
         if specs:
             # Inside shard_map: each shard counted its own elements.

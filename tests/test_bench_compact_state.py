@@ -1,0 +1,95 @@
+"""The compact-state benchmark's fine-tuning runs (``--pretrain``), at the tiny
+LM size: nothing timed, only where the runs start and what they read."""
+
+import dataclasses
+import importlib.util
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mixprec._src.workloads import train
+
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_SCRIPT = os.path.join(_ROOT, "benchmarks", "bench_compact_state.py")
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_compact_state", _SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_compact_state"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _bench()
+# The benchmark runs optax.adamw as users do, under standard promotion.
+pytestmark = pytest.mark.standard_promotion
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    workload = train.lm_workload(size="tiny", n_eval_batches=2)
+    return workload, bench.pretrain(workload, 0, 110)  # past the 100-step warmup
+
+
+def _eval(workload, params):
+    def eval_fn(p, batch):
+        return bench.loss_fn(workload, p, batch), jnp.zeros([])
+
+    return train.evaluate_params(eval_fn, params, workload.eval_batches)[0]
+
+
+def test_pretraining_moves_the_params_off_their_initialisation(tiny):
+    workload, pretrained = tiny
+    init = workload.init(jax.random.key(0))
+    moved = jax.tree.map(
+        lambda a, b: bool(np.any(np.asarray(a) != np.asarray(b))), init, pretrained
+    )
+    assert all(jax.tree.leaves(moved))
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(pretrained))
+
+
+@pytest.mark.parametrize(
+    "variant, dtype",
+    [
+        ("float32", jnp.float32),
+        ("bf16-rtn", jnp.bfloat16),
+        ("bfloat16-sr/float32", jnp.bfloat16),
+    ],
+)
+def test_every_variant_starts_from_the_pretrained_params(tiny, variant, dtype):
+    # One step at a learning rate of 1e-12 moves no bfloat16 weight and a float32
+    # one by about 1e-12: each run ends where it started, the pretrained params
+    # in its own dtype (bfloat16 variants round them to nearest).
+    workload, pretrained = tiny
+    asked = []
+
+    def initial(seed):
+        asked.append(seed)
+        return pretrained
+
+    (row,) = bench.run(workload, variant, [0], 1, 0, 1e-12, initial)
+    assert asked == [0]
+    assert row["params_dtype"] == jnp.dtype(dtype).name
+    start = jax.tree.map(lambda p: p.astype(dtype), pretrained)
+    np.testing.assert_allclose(row["eval_loss"], _eval(workload, start), rtol=1e-6)
+
+
+def test_fine_tuning_reads_batches_the_pretraining_did_not(tiny):
+    workload, pretrained = tiny
+    streams = []
+
+    def spy(seed):
+        streams.append(seed)
+        return tiny[0].train_batches(seed)
+
+    workload = dataclasses.replace(workload, train_batches=spy)
+    bench.run(workload, "float32", [2], 1, 0, 1e-12, lambda seed: pretrained)
+    bench.run(workload, "float32", [2], 1)
+    assert streams == [1002, 2]
