@@ -32,7 +32,8 @@ missing (``--rerun`` trains them again, ``--fresh`` starts a new file;
 ``--warmup N`` puts a linear warmup of N steps before the cosine, ``--peak-lr``
 sets its peak, ``--pretrain N`` fine-tunes float32 params pretrained for N
 steps instead of training from scratch);
-``--table`` re-renders the table from the JSON.
+``--table`` re-renders the table from the JSON; ``--compile-times small full``
+only measures the seconds to trace and compile each variant's update.
 """
 
 from __future__ import annotations
@@ -225,6 +226,44 @@ def run(
     return out
 
 
+def compile_times(size: str, variants: list[str]) -> dict[str, dict[str, float | int]]:
+    """Seconds to trace and to compile one jitted ``update`` + ``apply_updates``
+    per variant, on the LM of ``size``, each from a fresh function after the
+    variant's ``init``, in one process in the order given (a variant may reuse
+    per-leaf kernels that ``init`` or an earlier variant of the same tier traced,
+    as a program would)."""
+    workload = train.lm_workload(size=size)
+    params32 = workload.init(jax.random.key(0))
+    out: dict[str, dict[str, float | int]] = {}
+    for variant in variants:
+        opt, dtype = make_optimizer(variant, 1000)
+        weights = variant.split("/")[0] if "/" in variant else None
+        if weights is not None:
+            params = mp_optax.compact_params(params32, weights)
+            state = opt.init(params32)
+        else:
+            params = jax.tree.map(lambda p, d=dtype: p.astype(d), params32)
+            state = opt.init(params)
+        grads = jax.tree.map(lambda p: (p * 0.01).astype(p.dtype), params)
+
+        def upd(p: Any, s: Any, g: Any, opt: Any = opt) -> tuple[Any, Any]:
+            u, s = opt.update(g, s, p)
+            return optax.apply_updates(p, u), s
+
+        t0 = time.perf_counter()
+        lowered = jax.jit(upd).lower(params, state, grads)
+        t1 = time.perf_counter()
+        lowered.compile()
+        t2 = time.perf_counter()
+        out[variant] = {
+            "leaves": len(jax.tree.leaves(params)),
+            "trace_s": round(t1 - t0, 3),
+            "compile_s": round(t2 - t1, 3),
+        }
+        print(f"  {size} {variant}: {out[variant]}", flush=True)
+    return out
+
+
 def update_times(
     workload: Any, variants: list[str], rounds: int
 ) -> tuple[dict[str, float], dict[str, float]]:
@@ -401,6 +440,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--table", action="store_true", help="only re-render")
     parser.add_argument(
+        "--compile-times",
+        nargs="+",
+        metavar="SIZE",
+        help="only trace and compile the update of each variant on the LM of "
+        "these sizes (small, full); writes <name>.json",
+    )
+    parser.add_argument(
         "--rerun", action="store_true", help="train pairs already in the JSON again"
     )
     parser.add_argument(
@@ -415,6 +461,37 @@ def main(argv: list[str] | None = None) -> int:
     path_json, path_md = out / f"{args.name}.json", out / f"{args.name}.md"
     if args.table:
         print(table(json.loads(path_json.read_text())))
+        return 0
+    if args.compile_times:
+        timed = list(dict.fromkeys(["bf16-rtn", *args.variants]))
+        result = {
+            "command": "python benchmarks/bench_compact_state.py "
+            + " ".join(argv if argv is not None else sys.argv[1:]),
+            "environment": timing.environment(),
+            "seconds": {
+                size: compile_times(size, timed) for size in args.compile_times
+            },
+        }
+        out.mkdir(parents=True, exist_ok=True)
+        path_json.write_text(json.dumps(result, indent=1) + "\n")
+        lines = [
+            "| LM | variant | leaves | trace s | compile s |",
+            "|---|---|---|---|---|",
+        ]
+        for size, rows in result["seconds"].items():
+            for v, r in rows.items():
+                lines.append(
+                    f"| {size} | {v} | {r['leaves']} | {r['trace_s']:.2f} | "
+                    f"{r['compile_s']:.2f} |"
+                )
+        env = result["environment"]
+        lines.append(
+            f"\nJAX {env['jax']}; {env['cpu_model']} "
+            f"({timing.flags_summary(env['cpu_flags'])}); {env['date']}; "
+            f"load {env['loadavg']}."
+        )
+        path_md.write_text("\n".join(lines) + "\n")
+        print("\n".join(lines))
         return 0
     for v in args.variants:
         if v not in ("float32", "bf16-rtn") + TIERS:

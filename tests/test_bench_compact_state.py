@@ -93,3 +93,14 @@ def test_fine_tuning_reads_batches_the_pretraining_did_not(tiny):
     bench.run(workload, "float32", [2], 1, 0, 1e-12, lambda seed: pretrained)
     bench.run(workload, "float32", [2], 1)
     assert streams == [1002, 2]
+
+
+def test_compile_times_reports_each_variant():
+    seconds = bench.compile_times("tiny", ["bf16-rtn", "bfloat16-sr/float32"])
+    assert list(seconds) == ["bf16-rtn", "bfloat16-sr/float32"]
+    leaves = len(
+        jax.tree.leaves(train.lm_workload(size="tiny").init(jax.random.key(0)))
+    )
+    for row in seconds.values():
+        assert row["leaves"] == leaves
+        assert row["trace_s"] > 0 and row["compile_s"] > 0

@@ -753,5 +753,7 @@ def test_update_traces_each_leaf_shape_once(monkeypatch):
     assert_tree_dtypes(new_params, jax.tree.map(lambda p: p.dtype, params))
     assert not any(
         bool(jnp.all(a == b))
-        for a, b in zip(jax.tree.leaves(new_params), jax.tree.leaves(params))
+        for a, b in zip(
+            jax.tree.leaves(new_params), jax.tree.leaves(params), strict=True
+        )
     )

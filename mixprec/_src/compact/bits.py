@@ -97,7 +97,9 @@ def global_index(
     return idx
 
 
-def random_bits(index: jax.Array, step: jax.Array, constant: int | jax.Array) -> jax.Array:
+def random_bits(
+    index: jax.Array, step: jax.Array, constant: int | jax.Array
+) -> jax.Array:
     """32 random bits per element from (step, stream constant, global index).
 
     Examples:
