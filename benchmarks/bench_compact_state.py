@@ -226,6 +226,27 @@ def run(
     return out
 
 
+def update_step(variant: str, params32: Any) -> tuple[Any, Any, Any, Any]:
+    """``(upd, params, state, grads)``: a variant's optimizer update +
+    ``apply_updates`` as a function of (params, state, grads), and its inputs
+    from float32 params (gradients 1% of the weights)."""
+    opt, dtype = make_optimizer(variant, 1000)
+    weights = variant.split("/")[0] if "/" in variant else None
+    if weights is not None:
+        params = mp_optax.compact_params(params32, weights)
+        state = opt.init(params32)
+    else:
+        params = jax.tree.map(lambda p: p.astype(dtype), params32)
+        state = opt.init(params)
+    grads = jax.tree.map(lambda p: (p * 0.01).astype(p.dtype), params)
+
+    def upd(p: Any, s: Any, g: Any) -> tuple[Any, Any]:
+        u, s = opt.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    return upd, params, state, grads
+
+
 def compile_times(size: str, variants: list[str]) -> dict[str, dict[str, float | int]]:
     """Seconds to trace and to compile one jitted ``update`` + ``apply_updates``
     per variant, on the LM of ``size``, each from a fresh function after the
@@ -236,19 +257,7 @@ def compile_times(size: str, variants: list[str]) -> dict[str, dict[str, float |
     params32 = workload.init(jax.random.key(0))
     out: dict[str, dict[str, float | int]] = {}
     for variant in variants:
-        opt, dtype = make_optimizer(variant, 1000)
-        weights = variant.split("/")[0] if "/" in variant else None
-        if weights is not None:
-            params = mp_optax.compact_params(params32, weights)
-            state = opt.init(params32)
-        else:
-            params = jax.tree.map(lambda p, d=dtype: p.astype(d), params32)
-            state = opt.init(params)
-        grads = jax.tree.map(lambda p: (p * 0.01).astype(p.dtype), params)
-
-        def upd(p: Any, s: Any, g: Any, opt: Any = opt) -> tuple[Any, Any]:
-            u, s = opt.update(g, s, p)
-            return optax.apply_updates(p, u), s
+        upd, params, state, grads = update_step(variant, params32)
 
         t0 = time.perf_counter()
         lowered = jax.jit(upd).lower(params, state, grads)
@@ -276,19 +285,7 @@ def update_times(
     fns = {}
     io_bytes = {}
     for variant in variants:
-        opt, dtype = make_optimizer(variant, 1000)
-        weights = variant.split("/")[0] if "/" in variant else None
-        if weights is not None:
-            params = mp_optax.compact_params(params32, weights)
-            state = opt.init(params32)
-        else:
-            params = jax.tree.map(lambda p, d=dtype: p.astype(d), params32)
-            state = opt.init(params)
-        grads = jax.tree.map(lambda p: (p * 0.01).astype(p.dtype), params)
-
-        def upd(p: Any, s: Any, g: Any, opt: Any = opt) -> tuple[Any, Any]:
-            u, s = opt.update(g, s, p)
-            return optax.apply_updates(p, u), s
+        upd, params, state, grads = update_step(variant, params32)
 
         f = jax.jit(upd).lower(params, state, grads).compile()
         outs = jax.eval_shape(upd, params, state, grads)
