@@ -1,6 +1,9 @@
 """Shared test helpers: per-dtype tolerances and dtype-checking comparisons."""
 
+import importlib.util
+import os
 import re
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -158,3 +161,16 @@ def executed_lines(module_text, entry="main"):
                 yield line
 
     return list(expand(entry))
+
+
+def load_benchmark(name):
+    """The module of ``benchmarks/<name>.py``, imported as ``name`` (registered
+    in ``sys.modules``, where dataclasses look their module up)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.path.join(root, "benchmarks", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

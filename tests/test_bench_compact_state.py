@@ -2,32 +2,17 @@
 LM size: nothing timed, only where the runs start and what they read."""
 
 import dataclasses
-import importlib.util
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import load_benchmark
 
 from mixprec._src.workloads import train
 
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_SCRIPT = os.path.join(_ROOT, "benchmarks", "bench_compact_state.py")
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_compact_state", _SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_compact_state"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _bench()
+bench = load_benchmark("bench_compact_state")
 # The benchmark runs optax.adamw as users do, under standard promotion.
 pytestmark = pytest.mark.standard_promotion
 

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import load_benchmark
 
 from mixprec._src.workloads import gpt2
 
@@ -25,16 +26,7 @@ _SCRIPT = os.path.join(_ROOT, "benchmarks", "bench_gpu.py")
 _TOL = {"bfloat16": 1e-2, "float32": 1e-6}
 
 
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_gpu", _SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_gpu"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _bench()
+bench = load_benchmark("bench_gpu")
 
 
 # --- the script, end to end ------------------------------------------------------

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_trees_close
+from helpers import assert_trees_close, load_benchmark
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import mixprec
@@ -276,26 +276,7 @@ def test_autocast_attention_train_step_on_auto_mesh(mesh, formulation, where):
 # --- communication under autocast: what the partitioner reduces and gathers in ----
 
 
-def _bench():
-    """``benchmarks/bench_scaleout.py``, for its HLO reader."""
-    import importlib.util
-    import os
-    import sys
-
-    path = os.path.join(
-        os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-        "benchmarks",
-        "bench_scaleout.py",
-    )
-    spec = importlib.util.spec_from_file_location("bench_scaleout", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_scaleout"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-_BENCH = _bench()
+_BENCH = load_benchmark("bench_scaleout")
 _NAMES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
 
 
