@@ -9,21 +9,23 @@ byte per element.
 Two byte formats, both non-linear (logarithmic) as bitsandbytes found Adam's
 second moment needs; a linear int8 code flushes most of it to zero:
 
-* ``"int8"``: a block with a negative value (a first moment) stores sign, a
-  4-bit exponent and a 3-bit mantissa of ``x / absmax``; a block with none (a
-  second moment) stores a 4-bit exponent and a 4-bit mantissa of
-  ``sqrt(x / absmax)``: 2**-28 of range below the block's maximum where a direct
-  code has 2**-14. The sign of the stored scale says which (negative: the
-  square-root code).
+* ``"int8"``: a small float of ``x / absmax``, 3 mantissa bits. A block with a
+  negative value (a first moment) stores sign and a 4-bit exponent, so 2**-14 of
+  range below the block's maximum; a block with none (a second moment) has no
+  sign to store and spends the bit on the exponent: 5 bits, 2**-30 of range.
+  The sign of the stored scale says which (negative: the unsigned code).
 * ``"float8"``: ``float8_e4m3fn`` of ``x / absmax * 448`` (first moment) or of
-  ``sqrt(x / absmax) * 448`` (non-negative blocks).
+  ``sqrt(x / absmax) * 448`` (non-negative blocks: the square root doubles its
+  range).
 
 Values are rounded stochastically, with the probability taken in the value
 domain, so the stored moment is unbiased (a second moment that decays by 5% a
-step then decays on average, where round-to-nearest with a 4-bit mantissa
-would leave it stuck). A positive value of a non-negative block never rounds
-to zero (it would divide an Adam step by ``eps``): below the smallest code it
-rounds up to it.
+step then decays on average, where round-to-nearest with a 3-bit mantissa
+would leave it stuck). The int8 code's grid is uniform within a binade, so it
+rounds as the bfloat16 weights do: random bits added under the kept mantissa,
+then truncated. A positive value of a non-negative block never rounds to zero
+(it would divide an Adam step by ``eps``): below the smallest code it rounds up
+to it.
 """
 
 from __future__ import annotations
@@ -43,8 +45,11 @@ from . import bits as bits_lib
 MOMENT_TIERS = ("float32", "bfloat16-sr", "int8", "float8")
 MIN_BLOCK = 32
 
-_EMAX = 15  # int8 code: exponents 1..15 cover [2**-14, 1]
-_SIGNED_M, _SQRT_M = 3, 4
+# int8 code: 3 mantissa bits; exponents 1..15 cover [2**-14, 1] for signed
+# blocks, 1..31 cover [2**-30, 1] for non-negative ones; code 0 is 0.
+_MANT = 3
+_DROP = 23 - _MANT  # float32 mantissa bits the code drops
+_EMAX_SIGNED, _EMAX_UNSIGNED = 15, 31
 _E4M3_MAX = 448.0
 _E4M3_MIN_NORMAL = 2.0**-6
 _E4M3_SUB = 2.0**-9
@@ -104,21 +109,6 @@ def _float(u: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(u, jnp.float32)
 
 
-def _minifloat_grid(
-    t: jax.Array, mask: jax.Array, one: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """The int8 code's grid points below and above ``t`` in [0, 1] (float32).
-
-    ``mask`` keeps the sign, the exponent and the code's mantissa bits of a
-    float32; ``one`` is the last bit it keeps (both per block).
-    """
-    tb = _bits(t) & mask
-    normal = t >= jnp.float32(2.0 ** (1 - _EMAX))
-    lo = jnp.where(normal, _float(tb), 0.0)
-    hi = jnp.where(normal, _float(tb + one), jnp.float32(2.0 ** (1 - _EMAX)))
-    return lo, hi
-
-
 def _e4m3_grid(t: jax.Array) -> tuple[jax.Array, jax.Array]:
     """float8_e4m3fn's grid points below and above ``t`` in [0, 448]."""
     tb = _bits(t) & jnp.uint32(0xFFF00000)
@@ -145,13 +135,14 @@ def _choose(
     return jnp.where(u * (vhi - vlo) < y - vlo, hi, lo)
 
 
-def _int8_layout(rooted: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Per block: (mantissa bits, the float32 mask keeping them, their last
-    bit) of the square-root code where ``rooted``, else of the signed code."""
-    m = jnp.where(rooted, jnp.uint32(_SQRT_M), jnp.uint32(_SIGNED_M))
-    drop = jnp.uint32(23) - m
-    mask = (jnp.uint32(0xFFFFFFFF) >> drop) << drop
-    return m, mask, jnp.uint32(1) << drop
+def _int8_bias(unsigned: jax.Array) -> jax.Array:
+    """Per block: what a float32's bits ``>> _DROP`` (8 exponent and 3
+    mantissa bits) exceed the int8 code by."""
+    return jnp.where(
+        unsigned,
+        jnp.uint32((127 - _EMAX_UNSIGNED) << _MANT),
+        jnp.uint32((127 - _EMAX_SIGNED) << _MANT),
+    )
 
 
 def encode(x: jax.Array, tier: str, random: jax.Array, *, block: int) -> Any:
@@ -182,7 +173,8 @@ def encode(x: jax.Array, tier: str, random: jax.Array, *, block: int) -> Any:
             bits_lib.round_bfloat16_stochastic(x32, random), None, tier, dtype
         )
     xb = _blocks(x32, block)
-    u = bits_lib.uniform(_blocks(random, block))
+    rb = _blocks(random, block)
+    u = bits_lib.uniform(rb)
     # Both block statistics from the largest and the smallest value, in one
     # reduction (one pass over the block; no |x| in memory).
     largest, smallest = lax.reduce(
@@ -193,9 +185,9 @@ def encode(x: jax.Array, tier: str, random: jax.Array, *, block: int) -> Any:
     )
     largest, smallest = largest[..., None], smallest[..., None]
     absmax = jnp.abs(jnp.maximum(largest, -smallest))  # (|-0.0| is 0.0)
-    # A block with no negative value (a second moment) takes the square-root
-    # code; every other block the signed direct code. One code per element,
-    # with the block's parameters.
+    # A block with no negative value (a second moment) takes the unsigned
+    # (int8) or square-root (float8) code; every other block the signed code.
+    # One code per element, with the block's parameters.
     nonneg = smallest >= 0
     # In [0, 1]: multiplies by the block's reciprocal, not a division per
     # element (the product can exceed 1 by an ulp). A block of tiny or huge
@@ -208,21 +200,27 @@ def encode(x: jax.Array, tier: str, random: jax.Array, *, block: int) -> Any:
     )
     inverse = 1.0 / jnp.where(absmax > 0, absmax * lift, 1.0)
     y = jnp.minimum(jnp.abs(xb) * lift * inverse, 1.0)
-    t = jnp.where(nonneg, jnp.sqrt(y), y)
     # Never flush a positive value of a non-negative block to 0.
     keep = nonneg & (y > 0)
     if tier == "int8":
-        m, mask, one = _int8_layout(nonneg)
-        lo, hi = _minifloat_grid(t, mask, one)
-        lo = jnp.where(keep & (lo == 0), hi, lo)
-        v = _choose(y, lo, hi, u, nonneg)
-        vb = _bits(v)
-        e = (vb >> 23) - jnp.uint32(127 - _EMAX)
-        mant = (vb >> (jnp.uint32(23) - m)) & ((jnp.uint32(1) << m) - 1)
-        code = jnp.where(v > 0, (e << m) | mant, 0)
+        smallest_normal = jnp.where(
+            nonneg,
+            jnp.float32(2.0 ** (1 - _EMAX_UNSIGNED)),
+            jnp.float32(2.0 ** (1 - _EMAX_SIGNED)),
+        )
+        # Above the smallest normal: random bits under the kept mantissa, then
+        # truncation, round up with probability (y - below) / gap.
+        code = ((_bits(y) + (rb >> (32 - _DROP))) >> _DROP) - _int8_bias(nonneg)
+        # Below it the code has 0 and the smallest normal only.
+        up = (u * smallest_normal < y) | keep
+        code = jnp.where(
+            y >= smallest_normal,
+            code,
+            jnp.where(up, jnp.uint32(1 << _MANT), jnp.uint32(0)),
+        )
         codes = jnp.where(xb < 0, code | 0x80, code).astype(jnp.uint8)
     elif tier == "float8":
-        t = t * jnp.float32(_E4M3_MAX)
+        t = jnp.where(nonneg, jnp.sqrt(y), y) * jnp.float32(_E4M3_MAX)
         lo, hi = _e4m3_grid(t)
         lo = jnp.where(keep & (lo == 0), hi, lo)
         target = jnp.where(nonneg, y * jnp.float32(_E4M3_MAX**2), t)
@@ -254,21 +252,16 @@ def decode(c: Any) -> jax.Array:
     codes = _blocks(c.codes, block=c.codes.shape[-1] // c.scale.shape[-1])
     scale = c.scale[..., None]
     absmax = jnp.abs(scale)
-    rooted = scale < 0
+    unsigned = scale < 0
     if c.tier == "int8":
-        m, _, _ = _int8_layout(rooted)
         # The signed code keeps its sign in the top bit.
         cb = codes.astype(jnp.uint32) & jnp.where(
-            rooted, jnp.uint32(0xFF), jnp.uint32(0x7F)
+            unsigned, jnp.uint32(0xFF), jnp.uint32(0x7F)
         )
-        e = cb >> m
-        mant = cb & ((jnp.uint32(1) << m) - 1)
-        v = _float(((e + jnp.uint32(127 - _EMAX)) << 23) | (mant << (23 - m)))
-        v = jnp.where(cb > 0, v, 0.0)
-        mag = jnp.where(rooted, v * v, v)
-        neg = (~rooted) & ((codes & 0x80) != 0)
+        mag = jnp.where(cb > 0, _float((cb + _int8_bias(unsigned)) << _DROP), 0.0)
+        neg = (~unsigned) & ((codes & 0x80) != 0)
         val = jnp.where(neg, -mag, mag)
     else:
         f = codes.astype(jnp.float32) * jnp.float32(1 / _E4M3_MAX)
-        val = jnp.where(rooted, f * f, f)
+        val = jnp.where(unsigned, f * f, f)
     return (val * absmax).reshape(shape).astype(c.dtype)
