@@ -33,7 +33,8 @@ missing (``--rerun`` trains them again, ``--fresh`` starts a new file;
 sets its peak, ``--pretrain N`` fine-tunes float32 params pretrained for N
 steps instead of training from scratch);
 ``--table`` re-renders the table from the JSON; ``--compile-times small full``
-only measures the seconds to trace and compile each variant's update.
+only measures the seconds to trace and compile each variant's update, and
+``--update-times small full`` only times it on the LMs of those sizes.
 """
 
 from __future__ import annotations
@@ -301,6 +302,19 @@ def update_times(
     return {k: timing.median(v) for k, v in times.items()}, io_bytes
 
 
+def sized_update_times(size: str, variants: list[str], rounds: int) -> dict[str, Any]:
+    """`update_times` on the LM of ``size``, with its parameter and leaf counts."""
+    workload = train.lm_workload(size=size)
+    leaves = jax.tree.leaves(workload.init(jax.random.key(0)))
+    seconds, io = update_times(workload, variants, rounds)
+    return {
+        "params": sum(x.size for x in leaves),
+        "leaves": len(leaves),
+        "update_seconds": seconds,
+        "update_io_bytes_per_param": io,
+    }
+
+
 def summarize(results: dict[str, Any]) -> list[dict[str, Any]]:
     runs = results["runs"]
     f32 = {r["seed"]: r["eval_loss"] for r in runs if r["variant"] == "float32"}
@@ -444,6 +458,14 @@ def main(argv: list[str] | None = None) -> int:
         "these sizes (small, full); writes <name>.json",
     )
     parser.add_argument(
+        "--update-times",
+        nargs="+",
+        metavar="SIZE",
+        help="only time the update of each variant against bf16-rtn on the LM of "
+        "these sizes (tiny, small, full: larger leaves, fewer launches per "
+        "element); writes <name>.json",
+    )
+    parser.add_argument(
         "--rerun", action="store_true", help="train pairs already in the JSON again"
     )
     parser.add_argument(
@@ -459,34 +481,54 @@ def main(argv: list[str] | None = None) -> int:
     if args.table:
         print(table(json.loads(path_json.read_text())))
         return 0
-    if args.compile_times:
+    if args.compile_times or args.update_times:
         timed = list(dict.fromkeys(["bf16-rtn", *args.variants]))
-        result = {
+        result: dict[str, Any] = {
             "command": "python benchmarks/bench_compact_state.py "
             + " ".join(argv if argv is not None else sys.argv[1:]),
             "environment": timing.environment(),
-            "seconds": {
-                size: compile_times(size, timed) for size in args.compile_times
-            },
         }
-        out.mkdir(parents=True, exist_ok=True)
-        path_json.write_text(json.dumps(result, indent=1) + "\n")
-        lines = [
-            "| LM | variant | leaves | trace s | compile s |",
-            "|---|---|---|---|---|",
-        ]
-        for size, rows in result["seconds"].items():
-            for v, r in rows.items():
-                lines.append(
-                    f"| {size} | {v} | {r['leaves']} | {r['trace_s']:.2f} | "
-                    f"{r['compile_s']:.2f} |"
-                )
+        if args.compile_times:
+            result["seconds"] = {
+                size: compile_times(size, timed) for size in args.compile_times
+            }
+            lines = [
+                "| LM | variant | leaves | trace s | compile s |",
+                "|---|---|---|---|---|",
+            ]
+            for size, rows in result["seconds"].items():
+                for v, r in rows.items():
+                    lines.append(
+                        f"| {size} | {v} | {r['leaves']} | {r['trace_s']:.2f} | "
+                        f"{r['compile_s']:.2f} |"
+                    )
+        else:
+            result["rounds"] = args.rounds
+            result["sizes"] = {
+                size: sized_update_times(size, timed, args.rounds)
+                for size in args.update_times
+            }
+            lines = [
+                "| LM (params, leaves) | variant | update ms | vs bf16-rtn | "
+                "update I/O B/param |",
+                "|---|---|---|---|---|",
+            ]
+            for size, r in result["sizes"].items():
+                base = r["update_seconds"]["bf16-rtn"]
+                for v, t in r["update_seconds"].items():
+                    lines.append(
+                        f"| {size} ({r['params'] / 1e6:.2f} M, {r['leaves']}) | {v} | "
+                        f"{t * 1e3:.2f} | {timing.ratio(t, base):.2f}x | "
+                        f"{r['update_io_bytes_per_param'][v]:.2f} |"
+                    )
         env = result["environment"]
         lines.append(
             f"\nJAX {env['jax']}; {env['cpu_model']} "
             f"({timing.flags_summary(env['cpu_flags'])}); {env['date']}; "
             f"load {env['loadavg']}."
         )
+        out.mkdir(parents=True, exist_ok=True)
+        path_json.write_text(json.dumps(result, indent=1) + "\n")
         path_md.write_text("\n".join(lines) + "\n")
         print("\n".join(lines))
         return 0

@@ -89,3 +89,16 @@ def test_compile_times_reports_each_variant():
     for row in seconds.values():
         assert row["leaves"] == leaves
         assert row["trace_s"] > 0 and row["compile_s"] > 0
+
+
+def test_update_times_reports_each_variant_with_the_model_size():
+    row = bench.sized_update_times("tiny", ["bf16-rtn", "bfloat16-sr/int8"], rounds=1)
+    params = jax.tree.leaves(train.lm_workload(size="tiny").init(jax.random.key(0)))
+    assert row["params"] == sum(x.size for x in params)
+    assert row["leaves"] == len(params)
+    assert list(row["update_seconds"]) == ["bf16-rtn", "bfloat16-sr/int8"]
+    assert all(t > 0 for t in row["update_seconds"].values())
+    # bfloat16 weights + gradients + 1-byte moments with block scales read and
+    # written, against bfloat16 everything: less I/O than the naive update.
+    io = row["update_io_bytes_per_param"]
+    assert io["bfloat16-sr/int8"] < io["bf16-rtn"]

@@ -279,9 +279,10 @@ def compact_state(
     * ``moments`` (each inner state leaf shaped like a parameter):
       ``"float32"``; ``"bfloat16-sr"``; ``"int8"``: blocks of ``block_size``
       along the last axis, a float32 absmax per block and a non-linear 8-bit
-      code (square-root domain for non-negative blocks such as Adam's second
-      moment); ``"float8"``: ``float8_e4m3fn`` with a per-block scale. Counts
-      and other scalars stay exact. All of them round stochastically.
+      code (a small float of ``x / absmax``, with more exponent range for
+      non-negative blocks such as Adam's second moment); ``"float8"``:
+      ``float8_e4m3fn`` with a per-block scale. Counts and other scalars
+      stay exact. All of them round stochastically.
 
     With AdamW and bfloat16 gradients: float32 / float32 is 16 bytes per
     parameter, ``"bfloat16-exact"`` / float32 14, ``"bfloat16-sr"`` /
