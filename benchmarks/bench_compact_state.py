@@ -33,8 +33,9 @@ missing (``--rerun`` trains them again, ``--fresh`` starts a new file;
 sets its peak, ``--pretrain N`` fine-tunes float32 params pretrained for N
 steps instead of training from scratch);
 ``--table`` re-renders the table from the JSON; ``--compile-times small full``
-only measures the seconds to trace and compile each variant's update, and
-``--update-times small full`` only times it on the LMs of those sizes.
+only measures the seconds to trace and compile each variant's update,
+``--update-times small full`` only times it on the LMs of those sizes, and
+``--kernel-profile small`` only profiles its XLA:CPU kernels, by stage.
 """
 
 from __future__ import annotations
@@ -43,8 +44,10 @@ import argparse
 import json
 import os
 import pathlib
+import re
 import statistics
 import sys
+import tempfile
 import time
 from functools import partial
 from typing import Any
@@ -315,6 +318,70 @@ def sized_update_times(size: str, variants: list[str], rounds: int) -> dict[str,
     }
 
 
+# Which part of the update an XLA kernel belongs to, from the op it computes
+# last (its HLO metadata): compact_state's per-leaf jits by name, the rest
+# (the inner optimizer, optax.apply_updates, the naive update) as "update".
+STAGES = {
+    "jit(_encode_leaf)/reduce": "block statistics",
+    "jit(_encode_leaf)": "encode moments",
+    "jit(_decode_leaf)": "decode moments",
+    "jit(_land_leaf)": "round and land weights",
+}
+
+
+def _stage(op_name: str) -> str:
+    return next((v for k, v in STAGES.items() if k in op_name), "update")
+
+
+def kernel_profile(size: str, variants: list[str], calls: int = 20) -> dict[str, Any]:
+    """XLA:CPU kernel time of one update per variant on the LM of ``size``,
+    from ``jax.profiler`` traces of ``calls`` calls: microseconds of worker
+    CPU time (a kernel split over two threads counts both), the number of
+    kernels, and the time by stage of the update (see `STAGES`). CPU only:
+    on a GPU the kernels run on the device, in other trace lines."""
+    workload = train.lm_workload(size=size)
+    params32 = workload.init(jax.random.key(0))
+    out: dict[str, Any] = {}
+    for variant in variants:
+        upd, params, state, grads = update_step(variant, params32)
+        compiled = jax.jit(upd).lower(params, state, grads).compile()
+        text = compiled.as_text() or ""
+        stage_of = {
+            m.group(1): _stage(m.group(2))
+            for m in re.finditer(
+                r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?op_name=\"([^\"]*)\"", text, re.M
+            )
+        }
+        for _ in range(3):
+            jax.block_until_ready(compiled(params, state, grads))
+        with tempfile.TemporaryDirectory() as d:
+            jax.profiler.start_trace(d)
+            for _ in range(calls):
+                jax.block_until_ready(compiled(params, state, grads))
+            jax.profiler.stop_trace()
+            (trace,) = pathlib.Path(d).rglob("*.xplane.pb")
+            data = jax.profiler.ProfileData.from_file(str(trace))
+        kernels: dict[str, float] = {}
+        for plane in data.planes:
+            for line in plane.lines:  # any thread: small kernels run inline
+                for ev in line.events:
+                    if ev.name in stage_of:
+                        kernels[ev.name] = kernels.get(ev.name, 0.0) + ev.duration_ns
+        by_stage: dict[str, float] = {}
+        for name, ns in kernels.items():
+            by_stage[stage_of[name]] = by_stage.get(stage_of[name], 0.0) + ns
+        out[variant] = {
+            "kernels": len(kernels),
+            "kernel_us": round(sum(kernels.values()) / calls / 1e3, 1),
+            "by_stage_us": {
+                k: round(v / calls / 1e3, 1)
+                for k, v in sorted(by_stage.items(), key=lambda kv: -kv[1])
+            },
+        }
+        print(f"  {size} {variant}: {out[variant]}", flush=True)
+    return out
+
+
 def summarize(results: dict[str, Any]) -> list[dict[str, Any]]:
     runs = results["runs"]
     f32 = {r["seed"]: r["eval_loss"] for r in runs if r["variant"] == "float32"}
@@ -466,6 +533,13 @@ def main(argv: list[str] | None = None) -> int:
         "element); writes <name>.json",
     )
     parser.add_argument(
+        "--kernel-profile",
+        nargs="+",
+        metavar="SIZE",
+        help="only profile the update's XLA:CPU kernels (--rounds calls) of each "
+        "variant on the LM of these sizes, by stage; writes <name>.json",
+    )
+    parser.add_argument(
         "--rerun", action="store_true", help="train pairs already in the JSON again"
     )
     parser.add_argument(
@@ -481,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.table:
         print(table(json.loads(path_json.read_text())))
         return 0
-    if args.compile_times or args.update_times:
+    if args.compile_times or args.update_times or args.kernel_profile:
         timed = list(dict.fromkeys(["bf16-rtn", *args.variants]))
         result: dict[str, Any] = {
             "command": "python benchmarks/bench_compact_state.py "
@@ -501,6 +575,25 @@ def main(argv: list[str] | None = None) -> int:
                     lines.append(
                         f"| {size} | {v} | {r['leaves']} | {r['trace_s']:.2f} | "
                         f"{r['compile_s']:.2f} |"
+                    )
+        elif args.kernel_profile:
+            result["calls"] = args.rounds
+            result["profiles"] = {
+                size: kernel_profile(size, timed, args.rounds)
+                for size in args.kernel_profile
+            }
+            lines = [
+                "| LM | variant | kernels | kernel CPU us | by stage (us) |",
+                "|---|---|---|---|---|",
+            ]
+            for size, rows in result["profiles"].items():
+                for v, r in rows.items():
+                    stages = ", ".join(
+                        f"{k} {t:.0f}" for k, t in r["by_stage_us"].items()
+                    )
+                    lines.append(
+                        f"| {size} | {v} | {r['kernels']} | {r['kernel_us']:.0f} | "
+                        f"{stages} |"
                     )
         else:
             result["rounds"] = args.rounds

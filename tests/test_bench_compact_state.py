@@ -102,3 +102,19 @@ def test_update_times_reports_each_variant_with_the_model_size():
     # written, against bfloat16 everything: less I/O than the naive update.
     io = row["update_io_bytes_per_param"]
     assert io["bfloat16-sr/int8"] < io["bf16-rtn"]
+
+
+def test_kernel_profile_splits_the_update_by_stage():
+    rows = bench.kernel_profile("tiny", ["bf16-rtn", "bfloat16-sr/int8"], calls=2)
+    naive, compact = rows["bf16-rtn"], rows["bfloat16-sr/int8"]
+    assert list(naive["by_stage_us"]) == ["update"]
+    # Every stage of compact_state's per-leaf work shows up under its name:
+    # the kernels' HLO metadata still names the jits they come from.
+    assert {"block statistics", "encode moments", "round and land weights"} <= set(
+        compact["by_stage_us"]
+    )
+    for row in rows.values():
+        assert row["kernels"] > 0 and row["kernel_us"] > 0
+        total = sum(row["by_stage_us"].values())
+        assert abs(total - row["kernel_us"]) <= 0.1 * len(row["by_stage_us"])
+    assert compact["kernels"] > naive["kernels"]
