@@ -333,6 +333,28 @@ def _stage(op_name: str) -> str:
     return next((v for k, v in STAGES.items() if k in op_name), "update")
 
 
+def _kernel_stages(hlo: str) -> dict[str, str]:
+    """The stage of every instruction of an optimized HLO module, by its
+    op_name metadata, or for a fusion without any (XLA drops it when it
+    merges ops), by that of its fused computation's root."""
+    roots = {}
+    for m in re.finditer(r"^%?([\w.\-]+) [^\n]*\{\n(.*?)\n\}", hlo, re.M | re.S):
+        root = re.search(r'ROOT [^\n]*?op_name="([^"]*)"', m.group(2))
+        roots[m.group(1)] = root.group(1) if root else ""
+    stages = {}
+    for line in hlo.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = ", line)
+        if m is None:
+            continue
+        op = re.search(r'op_name="([^"]*)"', line)
+        called = re.search(r"calls=%?([\w.\-]+)", line)
+        op_name = (
+            op.group(1) if op else roots.get(called.group(1), "") if called else ""
+        )
+        stages[m.group(1)] = _stage(op_name)
+    return stages
+
+
 def kernel_profile(size: str, variants: list[str], calls: int = 20) -> dict[str, Any]:
     """XLA:CPU kernel time of one update per variant on the LM of ``size``,
     from ``jax.profiler`` traces of ``calls`` calls: microseconds of worker
@@ -345,13 +367,7 @@ def kernel_profile(size: str, variants: list[str], calls: int = 20) -> dict[str,
     for variant in variants:
         upd, params, state, grads = update_step(variant, params32)
         compiled = jax.jit(upd).lower(params, state, grads).compile()
-        text = compiled.as_text() or ""
-        stage_of = {
-            m.group(1): _stage(m.group(2))
-            for m in re.finditer(
-                r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?op_name=\"([^\"]*)\"", text, re.M
-            )
-        }
+        stage_of = _kernel_stages(compiled.as_text() or "")
         for _ in range(3):
             jax.block_until_ready(compiled(params, state, grads))
         with tempfile.TemporaryDirectory() as d:

@@ -2,6 +2,7 @@
 LM size: nothing timed, only where the runs start and what they read."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -104,8 +105,12 @@ def test_update_times_reports_each_variant_with_the_model_size():
     assert io["bfloat16-sr/int8"] < io["bf16-rtn"]
 
 
+NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast"}
+
+
 def test_kernel_profile_splits_the_update_by_stage():
-    rows = bench.kernel_profile("tiny", ["bf16-rtn", "bfloat16-sr/int8"], calls=2)
+    variants = ["bf16-rtn", "bfloat16-sr/int8"]
+    rows = bench.kernel_profile("tiny", variants, calls=2)
     naive, compact = rows["bf16-rtn"], rows["bfloat16-sr/int8"]
     assert list(naive["by_stage_us"]) == ["update"]
     # Every stage of compact_state's per-leaf work shows up under its name:
@@ -113,8 +118,20 @@ def test_kernel_profile_splits_the_update_by_stage():
     assert {"block statistics", "encode moments", "round and land weights"} <= set(
         compact["by_stage_us"]
     )
-    for row in rows.values():
-        assert row["kernels"] > 0 and row["kernel_us"] > 0
+    params32 = train.lm_workload(size="tiny").init(jax.random.key(0))
+    for variant in variants:
+        row = rows[variant]
+        # Every kernel of the compiled update is seen (each instruction of its
+        # entry computation that computes something runs once per call).
+        upd, *args = bench.update_step(variant, params32)
+        hlo = jax.jit(upd).lower(*args).compile().as_text()
+        entry = hlo[hlo.index("\nENTRY") :]
+        ops = re.findall(
+            r"^\s*(?:ROOT )?%?[\w.\-]+ = .*? ([a-z][\w\-]*)\(", entry, re.M
+        )
+        kernels = [op for op in ops if op not in NOT_KERNELS]
+        assert row["kernels"] == len(kernels), (variant, sorted(set(ops)))
+        assert row["kernel_us"] > 0
         total = sum(row["by_stage_us"].values())
         assert abs(total - row["kernel_us"]) <= 0.1 * len(row["by_stage_us"])
     assert compact["kernels"] > naive["kernels"]
