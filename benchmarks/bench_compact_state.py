@@ -571,7 +571,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.table:
         print(table(json.loads(path_json.read_text())))
         return 0
-    if args.compile_times or args.update_times or args.kernel_profile:
+    modes = [
+        m
+        for m, on in (
+            ("--compile-times", args.compile_times),
+            ("--update-times", args.update_times),
+            ("--kernel-profile", args.kernel_profile),
+        )
+        if on
+    ]
+    if len(modes) > 1:
+        parser.error(f"{' and '.join(modes)} exclude each other; pass one per run")
+    if modes:
         timed = list(dict.fromkeys(["bf16-rtn", *args.variants]))
         result: dict[str, Any] = {
             "command": "python benchmarks/bench_compact_state.py "

@@ -135,3 +135,19 @@ def test_kernel_profile_splits_the_update_by_stage():
         total = sum(row["by_stage_us"].values())
         assert abs(total - row["kernel_us"]) <= 0.1 * len(row["by_stage_us"])
     assert compact["kernels"] > naive["kernels"]
+
+
+def test_the_measuring_modes_exclude_each_other(capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        bench.main(
+            [
+                "--update-times",
+                "tiny",
+                "--kernel-profile",
+                "tiny",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+    assert "exclude each other" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
