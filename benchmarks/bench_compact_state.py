@@ -322,8 +322,8 @@ def sized_update_times(size: str, variants: list[str], rounds: int) -> dict[str,
 # last (its HLO metadata): compact_state's per-leaf jits by name, the rest
 # (the inner optimizer, optax.apply_updates, the naive update) as "update".
 STAGES = {
-    "jit(_encode_leaf)/reduce": "block statistics",
-    "jit(_encode_leaf)": "encode moments",
+    "jit(_encode_leaves)/reduce": "block statistics",
+    "jit(_encode_leaves)": "encode moments",
     "jit(_decode_leaf)": "decode moments",
     "jit(_land_leaf)": "round and land weights",
 }

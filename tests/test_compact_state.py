@@ -740,9 +740,9 @@ def test_update_traces_each_leaf_shape_once(monkeypatch):
     # A model's leaves repeat a few shapes; the per-leaf work (about 300 JAX
     # operations) is traced once per shape, not once per leaf and moment.
     encoded, landed = [], []
-    encode, landing = codes.encode, bits.landing_update
+    encode, landing = codes.encode_many, bits.landing_update
     monkeypatch.setattr(
-        codes, "encode", lambda *a, **k: encoded.append(1) or encode(*a, **k)
+        codes, "encode_many", lambda *a, **k: encoded.append(1) or encode(*a, **k)
     )
     monkeypatch.setattr(
         bits, "landing_update", lambda *a, **k: landed.append(1) or landing(*a, **k)

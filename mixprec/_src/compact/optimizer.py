@@ -117,16 +117,21 @@ def _bits(
 
 
 @functools.partial(jax.jit, static_argnames=("tier", "block"))
-def _encode_leaf(
-    x: jax.Array,
-    index: jax.Array | None,
+def _encode_leaves(
+    xs: tuple[jax.Array, ...],
+    indices: tuple[jax.Array | None, ...],
     step: jax.Array,
-    constant: jax.Array,
+    constants: tuple[jax.Array, ...],
     *,
     tier: str,
     block: int,
-) -> Any:
-    return codes.encode(x, tier, _bits(x, index, step, constant), block=block)
+) -> list[Any]:
+    """The state leaves of one parameter (its moments), encoded together."""
+    randoms = [
+        _bits(x, index, step, c)
+        for x, index, c in zip(xs, indices, constants, strict=True)
+    ]
+    return codes.encode_many(xs, tier, randoms, block=block)
 
 
 _decode_leaf = jax.jit(codes.decode)
@@ -413,20 +418,36 @@ def compact_state(
         if moments == "float32":
             return tree
         shapes, specs = layout(params)
+        owners = {
+            _path_key(path)
+            for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+        }
         flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-        out = []
+        out = [x for _, x in flat]
+        # The leaves of one parameter (Adam's two moments: paths ending in the
+        # parameter's) are encoded together, their block statistics in one
+        # pass; each keeps its own random stream, so the codes are the same.
+        groups: dict[Any, list[int]] = {}
         for i, (path, x) in enumerate(flat):
             if _is_float(x) and np.ndim(x) >= 1 and tuple(x.shape) in shapes:
-                spec = spec_for(path, tuple(x.shape), specs)
-                x = _encode_leaf(
-                    x,
-                    _index(x, spec),
-                    count,
-                    _constant(seed, i, stream),
-                    tier=moments,
-                    block=block_size,
-                )
-            out.append(x)
+                key = _path_key(path)
+                owner = next((key[k:] for k in range(len(key)) if key[k:] in owners), i)
+                groups.setdefault((owner, tuple(x.shape)), []).append(i)
+        for members in groups.values():
+            xs = tuple(out[i] for i in members)
+            encoded = _encode_leaves(
+                xs,
+                tuple(
+                    _index(out[i], spec_for(flat[i][0], tuple(out[i].shape), specs))
+                    for i in members
+                ),
+                count,
+                tuple(_constant(seed, i, stream) for i in members),
+                tier=moments,
+                block=block_size,
+            )
+            for i, x in zip(members, encoded, strict=True):
+                out[i] = x
         return jax.tree.unflatten(treedef, out)
 
     def init_fn(params: Any) -> CompactState:
