@@ -167,11 +167,16 @@ def _count(mask: jax.Array) -> jax.Array:
     mask (4 bytes per element written and read back, a third of the landing's
     cost); a sum of 32 it computes in the kernel that makes the mask. The runs'
     sums are uint32 so that the simplifier does not merge the two sums again.
+    Runs split the last axis only, so that a leaf sharded on another axis is
+    not resharded.
     """
-    n = mask.size
-    if n % 32:
+    if mask.ndim == 0 or mask.shape[-1] % 32:
         return jnp.sum(mask, dtype=jnp.int32)
-    runs = jnp.sum(mask.reshape(n // 32, 32), axis=1, dtype=jnp.int32)
+    runs = jnp.sum(
+        mask.reshape(*mask.shape[:-1], mask.shape[-1] // 32, 32),
+        axis=-1,
+        dtype=jnp.int32,
+    )
     return jnp.sum(runs.astype(jnp.uint32)).astype(jnp.int32)
 
 
