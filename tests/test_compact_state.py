@@ -774,3 +774,10 @@ def test_update_traces_each_leaf_shape_once(monkeypatch):
             jax.tree.leaves(new_params), jax.tree.leaves(params), strict=True
         )
     )
+
+
+def test_encoding_in_an_unknown_moment_tier_names_the_choices():
+    x = jnp.ones((2, 64), jnp.float32)
+    rnd = bits.random_bits(bits.global_index(x.shape), jnp.int32(0), 0)
+    with pytest.raises(ValueError, match="'int4'.*int8, float8"):
+        codes.encode(x, "int4", rnd, block=32)

@@ -198,7 +198,9 @@ def encode_many(
             for x, r in zip(xs, randoms, strict=True)
         ]
     if tier not in ("int8", "float8"):
-        raise ValueError(f"unknown moment tier {tier!r}")
+        raise ValueError(
+            f"unknown moment tier {tier!r}; choose from {', '.join(MOMENT_TIERS)}"
+        )
     if len({tuple(x.shape) for x in xs}) != 1:
         raise ValueError(
             "`encode_many` takes leaves of one shape, got "
@@ -276,15 +278,13 @@ def _encode_blocks(
             jnp.where(up, jnp.uint32(1 << _MANT), jnp.uint32(0)),
         )
         codes = jnp.where(xb < 0, code | 0x80, code).astype(jnp.uint8)
-    elif tier == "float8":
+    else:  # "float8" (`encode_many` checked the tier)
         t = jnp.where(nonneg, jnp.sqrt(y), y) * jnp.float32(_E4M3_MAX)
         lo, hi = _e4m3_grid(t)
         lo = jnp.where(keep & (lo == 0), hi, lo)
         target = jnp.where(nonneg, y * jnp.float32(_E4M3_MAX**2), t)
         v = _choose(target, lo, hi, u, nonneg)
         codes = jnp.where(xb < 0, -v, v).astype(jnp.float8_e4m3fn)
-    else:
-        raise ValueError(f"unknown moment tier {tier!r}")
     scale = jnp.where(nonneg, -absmax, absmax)[..., 0]
     shape = (*xb.shape[:-2], xb.shape[-2] * xb.shape[-1])
     return Compressed(codes.reshape(shape), scale, tier, dtype)
