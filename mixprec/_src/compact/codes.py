@@ -312,13 +312,13 @@ def decode(c: Any) -> jax.Array:
     absmax = jnp.abs(scale)
     unsigned = scale < 0
     if c.tier == "int8":
-        # The signed code keeps its sign in the top bit.
-        cb = codes.astype(jnp.uint32) & jnp.where(
-            unsigned, jnp.uint32(0xFF), jnp.uint32(0x7F)
-        )
-        mag = jnp.where(cb > 0, _float((cb + _int8_bias(unsigned)) << _DROP), 0.0)
-        neg = (~unsigned) & ((codes & 0x80) != 0)
-        val = jnp.where(neg, -mag, mag)
+        # The signed code keeps its sign in the top bit, moved to float32's
+        # with integer ops (cheaper on XLA:CPU than choosing -x or x).
+        cb = codes.astype(jnp.uint32)
+        mask = jnp.where(unsigned, jnp.uint32(0xFF), jnp.uint32(0x7F))
+        m = cb & mask
+        mag = jnp.where(m > 0, (m + _int8_bias(unsigned)) << _DROP, jnp.uint32(0))
+        val = _float(mag | ((cb & ~mask) << 24))
     else:
         f = codes.astype(jnp.float32) * jnp.float32(1 / _E4M3_MAX)
         val = jnp.where(unsigned, f * f, f)
