@@ -1,6 +1,7 @@
 """Tests for `mixprec.optax.compact_state`: compact weights and optimizer state."""
 
 import warnings
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -733,6 +734,33 @@ def test_params_in_the_wrong_dtype_are_refused():
         opt.update(_grads(0, _params32()), state, _params32())
     with pytest.raises(ValueError, match=r"needs `params`"):
         opt.update(_grads(0, _params32()), state)
+
+
+@adam_promotion
+def test_weights_made_float32_by_a_whole_step_autocast_get_a_hint():
+    # autocast returns floating outputs in the policy's output dtype, so a
+    # whole step under o=f32 hands bfloat16 weights back as float32; the next
+    # update says why and what to wrap instead.
+    opt = _opt()
+    w = mpo.compact_params(_params32(), "bfloat16-sr")
+    state = opt.init(_params32())
+
+    def loss(p):
+        return jnp.mean(jnp.square(p["w"].astype(jnp.float32) - 0.3))
+
+    def step(w, state, loss):
+        updates, state = opt.update(jax.grad(loss)(w), state, w)
+        return optax.apply_updates(w, updates), state
+
+    whole = jax.jit(mixprec.autocast(partial(step, loss=loss), BF16))
+    w1, state1 = whole(w, state)
+    assert w1["w"].dtype == jnp.float32  # the output dtype of BF16
+    with pytest.raises(TypeError, match=r"compact_params.*wrap the loss function"):
+        opt.update(jax.tree.map(jnp.zeros_like, w1), state1, w1)
+    # Wrapping the loss keeps them bfloat16, step after step.
+    loss_only = jax.jit(partial(step, loss=mixprec.autocast(loss, BF16)))
+    w2, state2 = loss_only(*loss_only(w, state))
+    assert w2["w"].dtype == jnp.bfloat16 and int(state2.step) == 2
 
 
 @pytest.mark.standard_promotion  # optax's bias correction promotes implicitly

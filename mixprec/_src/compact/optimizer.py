@@ -64,10 +64,21 @@ def _check_params(params: Any, weights: str, call: str, *, allow_f32: bool) -> N
             )
         dtype = np.dtype(leaf.dtype)
         if dtype != want and not (allow_f32 and dtype == np.float32):
+            # The likeliest way bfloat16 weights come back float32: a whole
+            # train step under `mixprec.autocast`, which returns floating
+            # outputs in the policy's output dtype.
+            hint = (
+                " If a train step wrapped in `mixprec.autocast` returned them, "
+                "wrap the loss function instead: autocast returns floating "
+                "outputs in the policy's output dtype."
+                if dtype == np.float32
+                else ""
+            )
             raise TypeError(
                 f"`{call}`: `weights={weights!r}` stores {want.name} weights, but "
                 f"`{name}` is {dtype.name}. Cast the params with "
                 f"`mixprec.optax.compact_params(params, weights={weights!r})`."
+                f"{hint}"
             )
 
 
