@@ -64,9 +64,9 @@ def _check_params(params: Any, weights: str, call: str, *, allow_f32: bool) -> N
             )
         dtype = np.dtype(leaf.dtype)
         if dtype != want and not (allow_f32 and dtype == np.float32):
-            # The likeliest way bfloat16 weights come back float32: a whole
-            # train step under `mixprec.autocast`, which returns floating
-            # outputs in the policy's output dtype.
+            # One way bfloat16 weights come back float32: a whole train step
+            # under `mixprec.autocast`, which returns floating outputs in the
+            # policy's output dtype.
             hint = (
                 " If a train step wrapped in `mixprec.autocast` returned them, "
                 "wrap the loss function instead: autocast returns floating "
@@ -275,6 +275,13 @@ def _path_key(path: Any) -> tuple[str, ...]:
     return tuple(str(k) for k in path)
 
 
+def _param_suffix(key: tuple[str, ...], known: Any) -> tuple[str, ...] | None:
+    """The longest non-empty suffix of a state leaf's path key that is in
+    ``known`` (parameters' path keys): ``('[0]', '.mu', "['w']")`` names the
+    parameter ``("['w']",)``; ``None`` if there is none."""
+    return next((key[k:] for k in range(len(key)) if key[k:] in known), None)
+
+
 def compact_state(
     inner: optax.GradientTransformation,
     *,
@@ -424,11 +431,8 @@ def compact_state(
     def spec_for(path: Any, shape: tuple[int, ...], specs: dict[Any, Any]) -> Any:
         if not specs:
             return None
-        key = _path_key(path)
-        for start in range(len(key)):
-            if key[start:] in specs:
-                return specs[key[start:]]
-        return specs.get(shape)
+        suffix = _param_suffix(_path_key(path), specs)
+        return specs[suffix] if suffix is not None else specs.get(shape)
 
     def encode_state(tree: Any, params: Any, count: jax.Array, stream: int) -> Any:
         if moments == "float32":
@@ -446,9 +450,10 @@ def compact_state(
         groups: dict[Any, list[int]] = {}
         for i, (path, x) in enumerate(flat):
             if _is_float(x) and np.ndim(x) >= 1 and tuple(x.shape) in shapes:
-                key = _path_key(path)
-                owner = next((key[k:] for k in range(len(key)) if key[k:] in owners), i)
-                groups.setdefault((owner, tuple(x.shape)), []).append(i)
+                owner = _param_suffix(_path_key(path), owners)
+                groups.setdefault(
+                    (i if owner is None else owner, tuple(x.shape)), []
+                ).append(i)
         for members in groups.values():
             xs = tuple(out[i] for i in members)
             encoded = _encode_leaves(
