@@ -193,6 +193,33 @@ def test_second_moment_never_rounds_to_zero():
 
 
 @pytest.mark.parametrize("tier", ["int8", "float8"])
+def test_block_statistics_follow_sign_and_magnitude(tier):
+    """Each block's code is chosen by its values: -0.0 is not negative (the
+    block keeps the unsigned code), one negative value makes it signed, and a
+    NaN or an infinity decodes as a block of NaN, never as finite values."""
+    base = np.linspace(1e-3, 1.0, 32, dtype=np.float32)
+    with_neg_zero = base.copy()
+    with_neg_zero[5] = -0.0
+    with_negative = base.copy()
+    with_negative[7] = -0.5
+    blocks = {"neg_zero": with_neg_zero, "negative": with_negative}
+    for bad in (np.nan, np.inf, -np.inf):
+        b = base.copy()
+        b[3] = bad
+        blocks[str(bad)] = b
+    x = jnp.asarray(np.concatenate(list(blocks.values())))
+    rnd = bits.random_bits(bits.global_index(x.shape), jnp.int32(1), 2)
+    c = codes.encode(x, tier, rnd, block=32)
+    scale = np.asarray(c.scale)
+    assert scale[0] == -1.0  # unsigned code (negative scale), largest 1.0
+    assert scale[1] == 1.0  # signed code
+    d = np.asarray(codes.decode(c)).reshape(len(blocks), 32)
+    assert d[0, 5] == 0 and np.all(d[0, np.arange(32) != 5] > 0)
+    assert d[1, 7] < 0
+    assert not np.any(np.isfinite(scale[2:])) and np.all(np.isnan(d[2:]))
+
+
+@pytest.mark.parametrize("tier", ["int8", "float8"])
 @pytest.mark.parametrize("scale", [1e-30, 1e-20, 1.0, 1e20, 1e30, 3e38])
 def test_codes_hold_blocks_of_any_magnitude(tier, scale):
     """Blocks whose largest magnitude is tiny or huge (where the reciprocal of
@@ -667,6 +694,34 @@ def test_orbax_round_trip_continues_bit_identically(tmp_path):
     resumed = _train(opt, *mpk.restore(tmp_path / "c", target), 3, 3)
     for a, b in zip(jax.tree.leaves(straight), jax.tree.leaves(resumed), strict=True):
         assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@adam_promotion
+@pytest.mark.parametrize("moments", ["int8", "float8", "bfloat16-sr", "float32"])
+def test_casts_and_restores_in_a_dtype_leave_the_compact_state_as_it_is(
+    tmp_path, moments
+):
+    # A float16 block scale of a small second moment flushes to zero (Adam then
+    # divides by eps); float8 codes cast up take 2-4x the bytes. The state's
+    # dtypes are its format: only the params follow the cast.
+    p32 = _params32()
+    opt = _opt("bfloat16-exact", moments)
+    p, s = _train(opt, mpo.compact_params(p32, "bfloat16-exact"), opt.init(p32), 0, 2)
+    cast = mixprec.cast_tree((p, s), jnp.float16)
+    mpk.save(tmp_path / "c", (p, s))
+    restored = mpk.restore(tmp_path / "c", (p, s), dtype=jnp.float16)
+    for p_out, s_out in (cast, restored):
+        assert_tree_dtypes(p_out, jnp.float16)
+        assert jax.tree.structure(s_out) == jax.tree.structure(s)
+        for a, b in zip(jax.tree.leaves(s), jax.tree.leaves(s_out), strict=True):
+            assert a.dtype == b.dtype
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # Restored as saved, training continues bit-identically.
+    again = mpk.restore(tmp_path / "c", (p, s))
+    straight = _train(opt, p, s, 2, 2)
+    resumed = _train(opt, *again, 2, 2)
+    for a, b in zip(jax.tree.leaves(straight), jax.tree.leaves(resumed), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 

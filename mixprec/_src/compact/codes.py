@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -75,6 +75,10 @@ class Compressed:
     scale: jax.Array | None
     tier: str = dataclasses.field(metadata=dict(static=True))
     dtype: Any = dataclasses.field(metadata=dict(static=True))
+
+    # Never cast by `cast_tree` or a checkpoint restore: the dtypes are the
+    # format.
+    _mixprec_keep_dtypes: ClassVar[bool] = True
 
 
 jax.tree_util.register_dataclass(Compressed)
@@ -207,24 +211,26 @@ def encode_many(
             f"{sorted({tuple(x.shape) for x in xs})}."
         )
     xbs = [_blocks(x.astype(jnp.float32), block) for x in xs]
-    # Each block's largest and smallest value, of every leaf, in one variadic
-    # reduction (one pass over the blocks; no |x| in memory).
+    # Each block's largest magnitude and whether it holds a negative value, of
+    # every leaf, in one variadic reduction of integer maxima over the bits: a
+    # float32's magnitude orders as its bits without the sign do (NaN above
+    # inf), and a value below zero is a bit pattern above 0x80000000 (-0.0 is
+    # not below zero).
     n = len(xbs)
+    ubs = [_bits(xb) for xb in xbs]
+    zero = jnp.uint32(0)
     stats = lax.reduce(
-        (*xbs, *xbs),
-        (*(jnp.float32(-jnp.inf),) * n, *(jnp.float32(jnp.inf),) * n),
-        lambda a, b: (
-            *(lax.max(a[i], b[i]) for i in range(n)),
-            *(lax.min(a[n + i], b[n + i]) for i in range(n)),
-        ),
+        (*(u & jnp.uint32(0x7FFFFFFF) for u in ubs), *ubs),
+        (zero,) * (2 * n),
+        lambda a, b: tuple(lax.max(a[i], b[i]) for i in range(2 * n)),
         (xbs[0].ndim - 1,),
     )
     return [
         _encode_blocks(
             xb,
             _blocks(r, block),
-            stats[i][..., None],
-            stats[n + i][..., None],
+            _float(stats[i])[..., None],
+            (stats[n + i] <= jnp.uint32(0x80000000))[..., None],
             tier,
             np.dtype(x.dtype),
         )
@@ -235,19 +241,19 @@ def encode_many(
 def _encode_blocks(
     xb: jax.Array,
     rb: jax.Array,
-    largest: jax.Array,
-    smallest: jax.Array,
+    absmax: jax.Array,
+    nonneg: jax.Array,
     tier: str,
     dtype: Any,
 ) -> Compressed:
-    """One leaf's codes from its blocks (float32), their random bits and each
-    block's largest and smallest value."""
+    """One leaf's codes from its blocks (float32), their random bits, each
+    block's largest magnitude and whether it has no negative value.
+
+    A block with no negative value (a second moment) takes the unsigned (int8)
+    or square-root (float8) code; every other block the signed code. One code
+    per element, with the block's parameters.
+    """
     u = bits_lib.uniform(rb)
-    absmax = jnp.abs(jnp.maximum(largest, -smallest))  # (|-0.0| is 0.0)
-    # A block with no negative value (a second moment) takes the unsigned
-    # (int8) or square-root (float8) code; every other block the signed code.
-    # One code per element, with the block's parameters.
-    nonneg = smallest >= 0
     # In [0, 1]: multiplies by the block's reciprocal, not a division per
     # element (the product can exceed 1 by an ulp). A block of tiny or huge
     # values is first scaled by 2**64 or 2**-64 (exactly), so that the

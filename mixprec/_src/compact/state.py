@@ -43,6 +43,12 @@ class CompactState(NamedTuple):
     inner_state: Any
     num_missed: jax.Array
 
+    # `cast_tree` and `mixprec.orbax.restore(..., dtype=...)` leave the state
+    # as it is: its dtypes are its format (a float16 block scale of a second
+    # moment flushes to zero; float8 codes cast to float32 take 4x the bytes).
+    # `mixprec.orbax.restore_compact` converts between tiers.
+    _mixprec_keep_dtypes = True
+
 
 def _is_state(x: Any) -> bool:
     return isinstance(x, CompactState)
