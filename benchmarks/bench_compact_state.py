@@ -35,12 +35,17 @@ steps instead of training from scratch);
 ``--table`` re-renders the table from the JSON; ``--compile-times small full``
 only measures the seconds to trace and compile each variant's update,
 ``--update-times small full`` only times it on the LMs of those sizes, and
-``--kernel-profile small`` only profiles its XLA:CPU kernels, by stage.
+``--kernel-profile small`` only profiles its XLA:CPU kernels, by stage. In
+these three modes a compact variant may name stages to leave out after ``@``
+(``bfloat16-sr/int8@fixed-scales+no-random-bits``, see ``ABLATIONS``): the
+update is then wrong, and its time says what the stage costs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import os
 import pathlib
@@ -62,6 +67,11 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 import mixprec.optax as mp_optax  # noqa: E402
+from mixprec._src.compact import (  # noqa: E402
+    bits as bits_lib,
+    codes as codes_lib,
+    optimizer as compact_opt,
+)
 from mixprec._src.compact.optimizer import state_bytes_per_param  # noqa: E402
 from mixprec._src.workloads import models, timing, train  # noqa: E402
 
@@ -230,10 +240,89 @@ def run(
     return out
 
 
+# Timing-only ablations of the compact update (``<tier>@<name>[+<name>]``):
+# each removes one stage's work, so the update is no longer correct; the time
+# left says what that stage costs and what the rest costs without it.
+ABLATIONS = {
+    "no-random-bits": "the counter hash replaced by the element index xor the "
+    "stream constant (no mixing)",
+    "fixed-scales": "no block statistics: every block's scale is 1",
+    "no-landing-check": "the weights' update is target - old, never checked",
+}
+
+
+def _cheap_bits(index: jax.Array, step: jax.Array, constant: Any) -> jax.Array:
+    del step
+    return index ^ jnp.asarray(constant).astype(jnp.uint32)
+
+
+def _fixed_scales(xs: Any, tier: str, randoms: Any, *, block: int) -> list[Any]:
+    if tier not in ("int8", "float8"):
+        return _ENCODE_MANY(xs, tier, randoms, block=block)
+    out = []
+    for x, r in zip(xs, randoms, strict=True):
+        xb = codes_lib._blocks(x.astype(jnp.float32), block)
+        one = jnp.ones((*xb.shape[:-1], 1), jnp.float32)
+        rb = codes_lib._blocks(r, block)
+        out.append(codes_lib._encode_blocks(xb, rb, one, one < 0, tier, x.dtype))
+    return out
+
+
+def _unchecked_landing(old: jax.Array, target: jax.Array, dtype: Any) -> Any:
+    u = target.astype(jnp.float32) - old.astype(jnp.float32)
+    return u.astype(dtype), jnp.ones(old.shape, bool)
+
+
+_ENCODE_MANY = codes_lib.encode_many
+
+
+@contextlib.contextmanager
+def ablated(names: list[str]) -> Any:
+    """While tracing, the compact update without the stages ``names`` (keys of
+    `ABLATIONS`): patches the module functions they call and gives the
+    per-leaf jits fresh caches, so no trace leaks into or out of the block."""
+    unknown = [n for n in names if n not in ABLATIONS]
+    if unknown:
+        raise ValueError(
+            f"unknown ablation {unknown[0]!r}; choose from {', '.join(ABLATIONS)}"
+        )
+    patches = {
+        "no-random-bits": (bits_lib, "random_bits", _cheap_bits),
+        "fixed-scales": (codes_lib, "encode_many", _fixed_scales),
+        "no-landing-check": (bits_lib, "landing_update", _unchecked_landing),
+    }
+    if not names:
+        yield
+        return
+    chosen = [patches[n] for n in names]
+    for name, statics in (
+        ("_encode_leaves", ("tier", "block")),
+        ("_land_leaf", ("exact", "update_dtype")),
+    ):
+        # A new function object (jit's trace cache is keyed on it) under the
+        # same name (the kernel profile finds the stages by it).
+        fn = getattr(compact_opt, name).__wrapped__
+        fresh = jax.jit(functools.wraps(fn)(partial(fn)), static_argnames=statics)
+        chosen.append((compact_opt, name, fresh))
+    saved = [(m, attr, getattr(m, attr)) for m, attr, _ in chosen]
+    try:
+        for m, attr, value in chosen:
+            setattr(m, attr, value)
+        yield
+    finally:
+        for m, attr, value in saved:
+            setattr(m, attr, value)
+
+
 def update_step(variant: str, params32: Any) -> tuple[Any, Any, Any, Any]:
     """``(upd, params, state, grads)``: a variant's optimizer update +
     ``apply_updates`` as a function of (params, state, grads), and its inputs
-    from float32 params (gradients 1% of the weights)."""
+    from float32 params (gradients 1% of the weights). A variant may name
+    ablations after ``@`` (see `ABLATIONS`; timing only)."""
+    variant, _, ablation = variant.partition("@")
+    removed = ablation.split("+") if ablation else []
+    if removed and "/" not in variant:
+        raise ValueError(f"ablations apply to compact variants only, got {variant!r}")
     opt, dtype = make_optimizer(variant, 1000)
     weights = variant.split("/")[0] if "/" in variant else None
     if weights is not None:
@@ -245,7 +334,8 @@ def update_step(variant: str, params32: Any) -> tuple[Any, Any, Any, Any]:
     grads = jax.tree.map(lambda p: (p * 0.01).astype(p.dtype), params)
 
     def upd(p: Any, s: Any, g: Any) -> tuple[Any, Any]:
-        u, s = opt.update(g, s, p)
+        with ablated(removed):
+            u, s = opt.update(g, s, p)
         return optax.apply_updates(p, u), s
 
     return upd, params, state, grads
@@ -582,6 +672,24 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if len(modes) > 1:
         parser.error(f"{' and '.join(modes)} exclude each other; pass one per run")
+    for v in args.variants:
+        base, at, ablation = v.partition("@")
+        if base not in ("float32", "bf16-rtn") + TIERS:
+            parser.error(
+                f"unknown variant {base!r}; choose from float32, bf16-rtn, {TIERS}"
+            )
+        if at and not (modes and "/" in base):
+            parser.error(
+                f"{v!r}: ablations (after '@') time a compact variant's update "
+                "only; use them with --update-times, --kernel-profile or "
+                "--compile-times"
+            )
+        for name in ablation.split("+") if at else []:
+            if name not in ABLATIONS:
+                parser.error(
+                    f"unknown ablation {name!r} in {v!r}; choose from "
+                    + ", ".join(ABLATIONS)
+                )
     if modes:
         timed = list(dict.fromkeys(["bf16-rtn", *args.variants]))
         result: dict[str, Any] = {
@@ -652,11 +760,6 @@ def main(argv: list[str] | None = None) -> int:
         path_md.write_text("\n".join(lines) + "\n")
         print("\n".join(lines))
         return 0
-    for v in args.variants:
-        if v not in ("float32", "bf16-rtn") + TIERS:
-            parser.error(
-                f"unknown variant {v!r}; choose from float32, bf16-rtn, {TIERS}"
-            )
     workload = train.lm_workload(size="small")
     command = "python benchmarks/bench_compact_state.py " + " ".join(
         argv if argv is not None else sys.argv[1:]

@@ -151,3 +151,44 @@ def test_the_measuring_modes_exclude_each_other(capsys, tmp_path):
         )
     assert "exclude each other" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def test_ablations_remove_their_stage_and_leave_the_plain_update_alone():
+    params32 = train.lm_workload(size="tiny").init(jax.random.key(0))
+
+    def compiled(variant):
+        upd, *args = bench.update_step(variant, params32)
+        lowered = jax.jit(upd).lower(*args)
+        c = lowered.compile()
+        # (The StableHLO without locations; the program's size in lines.)
+        return lowered.as_text(), c.as_text().count("\n"), c(*args)
+
+    program, size, out = compiled("bfloat16-sr/int8")
+    sizes = {}
+    for name in bench.ABLATIONS:
+        sizes[name] = compiled(f"bfloat16-sr/int8@{name}")[1]
+        assert sizes[name] < size, name
+    all_size = compiled("bfloat16-sr/int8@" + "+".join(bench.ABLATIONS))[1]
+    assert all_size < min(sizes.values())
+    # The patches and the fresh per-leaf caches are gone after the block: the
+    # plain update traces to the same program and computes the same state.
+    again_program, _, again = compiled("bfloat16-sr/int8")
+    assert again_program == program
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(again), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--update-times", "tiny", "--variants", "bfloat16-sr/int8@fast"], "fast"),
+        (["--update-times", "tiny", "--variants", "bf16-rtn@fixed-scales"], "only"),
+        (["--variants", "bfloat16-sr/int8@fixed-scales"], "--update-times"),
+    ],
+)
+def test_bad_ablations_are_refused_by_name(capsys, tmp_path, argv, message):
+    with pytest.raises(SystemExit):
+        bench.main([*argv, "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert message in err
+    assert not list(tmp_path.iterdir())
