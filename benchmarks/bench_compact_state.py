@@ -73,7 +73,7 @@ from mixprec._src.compact import (  # noqa: E402
     optimizer as compact_opt,
 )
 from mixprec._src.compact.optimizer import state_bytes_per_param  # noqa: E402
-from mixprec._src.workloads import models, timing, train  # noqa: E402
+from mixprec._src.workloads import gpt2, models, timing, train  # noqa: E402
 
 
 TIERS = tuple(
@@ -341,14 +341,27 @@ def update_step(variant: str, params32: Any) -> tuple[Any, Any, Any, Any]:
     return upd, params, state, grads
 
 
+SIZES = ("tiny", "small", "full", "gpt2")
+
+
+def sized_params(size: str) -> Any:
+    """Float32 params of the LM of ``size`` (``tiny``, ``small``, ``full``) or
+    of GPT-2 small (``gpt2``: 124 M parameters, 148 leaves; the model of
+    ``bench_gpu.py``, for timing the update on a GPU)."""
+    if size == "gpt2":
+        return jax.tree.map(jnp.asarray, gpt2.init(gpt2.SMALL))
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; choose from {', '.join(SIZES)}")
+    return train.lm_workload(size=size).init(jax.random.key(0))
+
+
 def compile_times(size: str, variants: list[str]) -> dict[str, dict[str, float | int]]:
     """Seconds to trace and to compile one jitted ``update`` + ``apply_updates``
     per variant, on the LM of ``size``, each from a fresh function after the
     variant's ``init``, in one process in the order given (a variant may reuse
     per-leaf kernels that ``init`` or an earlier variant of the same tier traced,
     as a program would)."""
-    workload = train.lm_workload(size=size)
-    params32 = workload.init(jax.random.key(0))
+    params32 = sized_params(size)
     out: dict[str, dict[str, float | int]] = {}
     for variant in variants:
         upd, params, state, grads = update_step(variant, params32)
@@ -368,13 +381,12 @@ def compile_times(size: str, variants: list[str]) -> dict[str, dict[str, float |
 
 
 def update_times(
-    workload: Any, variants: list[str], rounds: int
+    params32: Any, variants: list[str], rounds: int
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Median seconds of one optimizer update + apply_updates, interleaved; and
     the bytes per parameter the update reads and writes at the least (its
     inputs and outputs: params, state and gradients in, params and state out),
     what bounds it on a device where it is memory-bound."""
-    params32 = workload.init(jax.random.key(0))
     n_params = sum(x.size for x in jax.tree.leaves(params32))
     fns = {}
     io_bytes = {}
@@ -397,9 +409,9 @@ def update_times(
 
 def sized_update_times(size: str, variants: list[str], rounds: int) -> dict[str, Any]:
     """`update_times` on the LM of ``size``, with its parameter and leaf counts."""
-    workload = train.lm_workload(size=size)
-    leaves = jax.tree.leaves(workload.init(jax.random.key(0)))
-    seconds, io = update_times(workload, variants, rounds)
+    params32 = sized_params(size)
+    leaves = jax.tree.leaves(params32)
+    seconds, io = update_times(params32, variants, rounds)
     return {
         "params": sum(x.size for x in leaves),
         "leaves": len(leaves),
@@ -451,8 +463,7 @@ def kernel_profile(size: str, variants: list[str], calls: int = 20) -> dict[str,
     CPU time (a kernel split over two threads counts both), the number of
     kernels, and the time by stage of the update (see `STAGES`). CPU only:
     on a GPU the kernels run on the device, in other trace lines."""
-    workload = train.lm_workload(size=size)
-    params32 = workload.init(jax.random.key(0))
+    params32 = sized_params(size)
     out: dict[str, Any] = {}
     for variant in variants:
         upd, params, state, grads = update_step(variant, params32)
@@ -626,21 +637,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--compile-times",
         nargs="+",
+        choices=SIZES,
         metavar="SIZE",
-        help="only trace and compile the update of each variant on the LM of "
-        "these sizes (small, full); writes <name>.json",
+        help="only trace and compile the update of each variant on the model of "
+        "these sizes (tiny, small, full: the demo's LM; gpt2: GPT-2 small); "
+        "writes <name>.json",
     )
     parser.add_argument(
         "--update-times",
         nargs="+",
+        choices=SIZES,
         metavar="SIZE",
-        help="only time the update of each variant against bf16-rtn on the LM of "
-        "these sizes (tiny, small, full: larger leaves, fewer launches per "
-        "element); writes <name>.json",
+        help="only time the update of each variant against bf16-rtn on the model "
+        "of these sizes (tiny, small, full: the demo's LM, larger leaves and "
+        "fewer launches per element as it grows; gpt2: GPT-2 small, 124 M, for a "
+        "GPU); writes <name>.json",
     )
     parser.add_argument(
         "--kernel-profile",
         nargs="+",
+        choices=SIZES,
         metavar="SIZE",
         help="only profile the update's XLA:CPU kernels (--rounds calls) of each "
         "variant on the LM of these sizes, by stage; writes <name>.json",
@@ -834,7 +850,7 @@ def main(argv: list[str] | None = None) -> int:
         results["timing_command"] = command
         timed = list(dict.fromkeys(["bf16-rtn", *args.variants]))
         results["update_seconds"], results["update_io_bytes_per_param"] = update_times(
-            workload, timed, args.rounds
+            workload.init(jax.random.key(0)), timed, args.rounds
         )
         results["timing_environment"] = timing.environment()
         save()

@@ -250,7 +250,9 @@ def restore(
     stored as their key data and come back as keys of ``target``'s key type,
     as plain orbax restores them. The state of a loss
     scale in ``target`` keeps its float32 dtype whatever ``dtype`` says (as
-    `mixprec.cast_tree` does): a scale of 2**16 would be inf in float16.
+    `mixprec.cast_tree` does): a scale of 2**16 would be inf in float16. The
+    state of `mixprec.optax.compact_state` keeps its dtypes too (its storage
+    format; `restore_compact` changes tiers).
 
     A floating leaf is read in its saved dtype, then cast. A finite value that
     the new dtype cannot hold (above 65504 in float16) would become inf and
@@ -263,7 +265,7 @@ def restore(
         (loss-scale configuration, module fields) are kept.
       dtype: if given, every *floating* leaf is restored in this dtype instead
         of ``target``'s (e.g. restore float32 master weights as bfloat16),
-        except the state of loss scales.
+        except the state of loss scales and of compact optimizer states.
       saturate: clip values too large for the dtype they are restored into to
         its largest finite value (keeping their sign) instead of raising.
         Values that were already inf or NaN in the checkpoint stay so.

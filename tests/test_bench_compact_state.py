@@ -184,6 +184,7 @@ def test_ablations_remove_their_stage_and_leave_the_plain_update_alone():
         (["--update-times", "tiny", "--variants", "bfloat16-sr/int8@fast"], "fast"),
         (["--update-times", "tiny", "--variants", "bf16-rtn@fixed-scales"], "only"),
         (["--variants", "bfloat16-sr/int8@fixed-scales"], "--update-times"),
+        (["--update-times", "huge"], "gpt2"),
     ],
 )
 def test_bad_ablations_are_refused_by_name(capsys, tmp_path, argv, message):

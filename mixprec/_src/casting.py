@@ -65,7 +65,9 @@ def cast_tree(tree: T, dtype: DTypeLike) -> T:
 
     Leaves that already have ``dtype`` are returned as they are (no copy, no
     ``convert_element_type`` in the jaxpr). NumPy leaves stay NumPy arrays.
-    Loss scales inside ``tree`` are left alone: their state stays float32.
+    Loss scales inside ``tree`` are left alone (their state stays float32),
+    and so is the state of ``mixprec.optax.compact_state`` (its dtypes are
+    its storage format).
 
     Args:
         tree: any pytree.
@@ -103,7 +105,8 @@ def _keeps_dtypes(x: Any) -> bool:
 def castable_mask(tree: Any) -> Any:
     """``tree`` with each leaf replaced by whether `cast_tree` may cast it.
 
-    ``False`` for every leaf inside a loss scale, ``True`` elsewhere: the rule
+    ``False`` for every leaf inside a loss scale or a compact optimizer state,
+    ``True`` elsewhere: the rule
     `cast_tree` follows, for code that casts leaf by leaf (a checkpoint
     restore) rather than through `cast_tree`.
 
