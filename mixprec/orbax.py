@@ -277,8 +277,9 @@ def restore(
       ValueError: if the checkpoint's paths differ from ``target``'s (every
         missing and unexpected path is listed), a shape differs, a value
         overflows the dtype it is restored into (every such leaf is listed
-        with its first overflowing value), or ``directory`` holds a checkpoint
-        whose save did not finish.
+        with its first overflowing value), ``directory`` holds a checkpoint
+        whose save did not finish, or a compact optimizer state in it stores
+        its codes in a layout this version of mixprec does not decode.
       FileNotFoundError: if there is no checkpoint at ``directory``; the message
         names what an unfinished save left there, if anything.
       TypeError: if a leaf changes kind (integer vs floating) or a target leaf is
@@ -333,7 +334,19 @@ def restore(
         out.append(x)
     if overflows:
         raise ValueError(_overflow_message(overflows, directory))
-    return jax.tree_util.tree_unflatten(treedef, out)
+    tree = jax.tree_util.tree_unflatten(treedef, out)
+    unreadable = compact_state_lib.unreadable_formats(tree)
+    if unreadable:
+        where = ", ".join(f"{path or '<root>'} (layout {v})" for path, v in unreadable)
+        raise ValueError(
+            f"`mixprec.orbax.restore`: the checkpoint at {directory!r} holds "
+            f"compact optimizer state whose codes are stored in a layout this "
+            f"mixprec does not decode: {where}; this version decodes layout "
+            f"{compact_state_lib.codes.CODES_FORMAT}. Restore it with the mixprec "
+            "that saved it (its `mixprec.optax.master_params` gives the float32 "
+            "weights to start a new optimizer state from)."
+        )
+    return tree
 
 
 def restore_compact(directory: str | os.PathLike, target: Any, *, saved: Any) -> Any:
@@ -460,6 +473,13 @@ def _check_structure(
             lines.append(f"  in `target` but not in the checkpoint: {missing}")
         if extra:
             lines.append(f"  in the checkpoint but not in `target`: {extra}")
+        if any(k[-1:] == ("codes_format",) for k in target if k not in saved):
+            lines.append(
+                "The checkpoint's compact optimizer state has no `codes_format`: "
+                "it was saved by a mixprec from before compact states recorded "
+                "the layout of their codes, which may decode differently here. "
+                "Restore it with the mixprec that saved it."
+            )
         lines.append(
             "This usually occurs when the model or optimizer changed since the "
             "checkpoint was written; build `target` the way the saved state was built."

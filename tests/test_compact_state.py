@@ -1,5 +1,7 @@
 """Tests for `mixprec.optax.compact_state`: compact weights and optimizer state."""
 
+import collections
+import re
 import warnings
 from functools import partial
 
@@ -14,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import mixprec
 import mixprec.optax as mpo
 import mixprec.orbax as mpk
-from mixprec._src.compact import bits, codes
+from mixprec._src.compact import bits, codes, state as compact_state_lib
 from mixprec._src.compact.optimizer import state_bytes_per_param
 
 
@@ -723,6 +725,56 @@ def test_casts_and_restores_in_a_dtype_leave_the_compact_state_as_it_is(
     resumed = _train(opt, *again, 2, 2)
     for a, b in zip(jax.tree.leaves(straight), jax.tree.leaves(resumed), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@adam_promotion
+def test_a_checkpoint_in_another_code_layout_is_refused(tmp_path):
+    # Codes stored in a layout this version does not decode would come back
+    # as wrong moments with no error; the state records its layout.
+    p32 = _params32()
+    opt = mpo.loss_scaled(_opt("bfloat16-sr", "int8"))
+    p, s = _train(opt, mpo.compact_params(p32, "bfloat16-sr"), opt.init(p32), 0, 1)
+    (compact,) = compact_state_lib.find_states(s)
+    assert int(compact.codes_format) == codes.CODES_FORMAT
+    # The layout survives updates and a round trip.
+    mpk.save(tmp_path / "ok", (p, s))
+    restored = mpk.restore(tmp_path / "ok", (p, s))
+    (back,) = compact_state_lib.find_states(restored[1])
+    assert int(back.codes_format) == codes.CODES_FORMAT
+    other = jax.tree.map(
+        lambda node: (
+            node._replace(codes_format=jnp.int32(codes.CODES_FORMAT + 1))
+            if isinstance(node, compact_state_lib.CompactState)
+            else node
+        ),
+        s,
+        is_leaf=lambda x: isinstance(x, compact_state_lib.CompactState),
+    )
+    mpk.save(tmp_path / "other", (p, other))
+    now = codes.CODES_FORMAT
+    with pytest.raises(ValueError, match=rf"layout {now + 1}\).*decodes layout {now}"):
+        mpk.restore(tmp_path / "other", (p, s))
+    with pytest.raises(ValueError, match="layout"):
+        mpk.restore_compact(tmp_path / "other", (p, s), saved=(p, s))
+    # A checkpoint from before the layout was recorded (the state had four
+    # fields): the structure error names the one missing leaf and says why.
+    before = collections.namedtuple(
+        "CompactState", ["step", "remainder", "inner_state", "num_missed"]
+    )
+    old = jax.tree.map(
+        lambda node: (
+            before(*tuple(node)[:4])
+            if isinstance(node, compact_state_lib.CompactState)
+            else node
+        ),
+        s,
+        is_leaf=lambda x: isinstance(x, compact_state_lib.CompactState),
+    )
+    mpk.save(tmp_path / "old", (p, old))
+    with pytest.raises(ValueError, match="no `codes_format`") as err:
+        mpk.restore(tmp_path / "old", (p, s))
+    (missing,) = re.findall(r"not in the checkpoint: (\[.*?\])", str(err.value))
+    assert missing.count("'") == 2 and missing.endswith("codes_format']"), missing
 
 
 @adam_promotion

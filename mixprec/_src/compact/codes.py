@@ -44,6 +44,10 @@ from . import bits as bits_lib
 
 
 MOMENT_TIERS = ("float32", "bfloat16-sr", "int8", "float8")
+# The layout of the stored codes, kept in every compact state so that a
+# checkpoint is never decoded by a different layout: raise it with any change
+# that would decode existing codes or scales differently.
+CODES_FORMAT = 1
 MIN_BLOCK = 32
 
 # int8 code: 3 mantissa bits; exponents 1..15 cover [2**-14, 1] for signed

@@ -16,7 +16,7 @@ from jax import lax
 
 from .. import policy as policy_lib
 from .._errors import format_choices, suggest
-from . import bits as bits_lib, codes
+from . import bits as bits_lib, codes, state as state_lib
 from .state import CompactState
 
 
@@ -491,7 +491,13 @@ def compact_state(
                 params,
             )
         inner_state = encode_state(inner.init(p32), params, count, _INIT)
-        return CompactState(count, remainder, inner_state, jnp.zeros([], jnp.int32))
+        return CompactState(
+            count,
+            remainder,
+            inner_state,
+            jnp.zeros([], jnp.int32),
+            state_lib.format_array(),
+        )
 
     def update_fn(
         updates: Any, state: CompactState, params: Any = None, **extra_args: Any
@@ -535,7 +541,9 @@ def compact_state(
         )
         new_count = jnp.asarray(optax.safe_increment(count), jnp.int32)
         if not bf16_weights:
-            return u32, CompactState(new_count, None, new_inner, state.num_missed)
+            return u32, CompactState(
+                new_count, None, new_inner, state.num_missed, state.codes_format
+            )
 
         p_flat, p_def = jax.tree.flatten(params)
         u_flat = p_def.flatten_up_to(u32)
@@ -584,7 +592,7 @@ def compact_state(
                 missed = state.num_missed + lax.psum(missed - state.num_missed, names)
         remainder = jax.tree.unflatten(p_def, out_r) if out_r else None
         return jax.tree.unflatten(p_def, out_u), CompactState(
-            new_count, remainder, new_inner, missed
+            new_count, remainder, new_inner, missed, state.codes_format
         )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]

@@ -27,6 +27,9 @@ class CompactState(NamedTuple):
         other leaf (counts, scalars) as it is.
       num_missed: int32 count of weight elements that did not land on their
         rounded value (see `compact_state`); stays 0 in practice.
+      codes_format: int32, the layout of the stored codes (``CODES_FORMAT``
+        when the state was made); `mixprec.orbax.restore` refuses a
+        checkpoint whose layout this version of mixprec does not decode.
 
     Examples:
       >>> import jax.numpy as jnp, optax
@@ -42,6 +45,7 @@ class CompactState(NamedTuple):
     remainder: Any
     inner_state: Any
     num_missed: jax.Array
+    codes_format: jax.Array
 
     # `cast_tree` and `mixprec.orbax.restore(..., dtype=...)` leave the state
     # as it is: its dtypes are its format (a float16 block scale of a second
@@ -61,6 +65,30 @@ def _is_compressed(x: Any) -> bool:
 def find_states(tree: Any) -> list[CompactState]:
     """Every `CompactState` in ``tree``."""
     return [s for s in jax.tree.leaves(tree, is_leaf=_is_state) if _is_state(s)]
+
+
+def format_array() -> jax.Array:
+    """``CODES_FORMAT`` as the int32 scalar a state holds."""
+    return jnp.asarray(codes.CODES_FORMAT, jnp.int32)
+
+
+def unreadable_formats(tree: Any) -> list[tuple[str, int]]:
+    """``(path, format)`` of every `CompactState` in ``tree`` whose codes are
+    stored in a layout other than ``CODES_FORMAT``.
+
+    Examples:
+        >>> state = CompactState(jnp.int32(0), None, (), jnp.int32(0), jnp.int32(7))
+        >>> unreadable_formats({"opt": state})
+        [("['opt']", 7)]
+    """
+    out = []
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_state)[0]
+    for path, node in flat:
+        if _is_state(node):
+            value = int(np.asarray(node.codes_format))
+            if value != codes.CODES_FORMAT:
+                out.append((jax.tree_util.keystr(path), value))
+    return out
 
 
 def convert(saved: Any, target: Any, *, seed: int = 0) -> Any:
@@ -84,7 +112,8 @@ def convert(saved: Any, target: Any, *, seed: int = 0) -> Any:
         >>> nu = codes.encode(zeros, "int8", zeros.astype(jnp.uint32), block=32)
         >>> rem = {"w": zeros.astype(jnp.uint16)}
         >>> tgt_state = CompactState(
-        ...     jnp.int32(0), rem, (jnp.int32(0), {"w": nu}), jnp.int32(0))
+        ...     jnp.int32(0), rem, (jnp.int32(0), {"w": nu}), jnp.int32(0),
+        ...     format_array())
         >>> target = ({"w": jnp.zeros((4, 32), jnp.bfloat16)}, tgt_state)
         >>> params, state = convert(saved, target)
         >>> nu = codes.decode(state.inner_state[1]["w"])
@@ -158,6 +187,7 @@ def convert(saved: Any, target: Any, *, seed: int = 0) -> Any:
                 remainder,
                 jax.tree.unflatten(t_def, new),
                 jnp.asarray(missed, jnp.int32),
+                format_array(),
             )
         )
     return params, jax.tree.unflatten(treedef, out)
