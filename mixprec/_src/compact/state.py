@@ -85,7 +85,10 @@ def unreadable_formats(tree: Any) -> list[tuple[str, int]]:
     flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_state)[0]
     for path, node in flat:
         if _is_state(node):
-            value = int(np.asarray(node.codes_format))
+            v = node.codes_format
+            if isinstance(v, jax.Array) and not v.is_fully_addressable:
+                v = v.addressable_data(0)  # replicated: any process's copy
+            value = int(np.asarray(v))
             if value != codes.CODES_FORMAT:
                 out.append((jax.tree_util.keystr(path), value))
     return out
