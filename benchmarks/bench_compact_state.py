@@ -240,20 +240,12 @@ def run(
     return out
 
 
-# Timing-only ablations of the compact update (``<tier>@<name>[+<name>]``):
-# each removes one stage's work, so the update is no longer correct; the time
-# left says what that stage costs and what the rest costs without it.
-ABLATIONS = {
-    "no-random-bits": "the counter hash replaced by the element index xor the "
-    "stream constant (no mixing)",
-    "fixed-scales": "no block statistics: every block's scale is 1",
-    "no-landing-check": "the weights' update is target - old, never checked",
-}
-
-
 def _cheap_bits(index: jax.Array, step: jax.Array, constant: Any) -> jax.Array:
     del step
     return index ^ jnp.asarray(constant).astype(jnp.uint32)
+
+
+_ENCODE_MANY = codes_lib.encode_many
 
 
 def _fixed_scales(xs: Any, tier: str, randoms: Any, *, block: int) -> list[Any]:
@@ -273,7 +265,29 @@ def _unchecked_landing(old: jax.Array, target: jax.Array, dtype: Any) -> Any:
     return u.astype(dtype), jnp.ones(old.shape, bool)
 
 
-_ENCODE_MANY = codes_lib.encode_many
+# Timing-only ablations of the compact update (``<tier>@<name>[+<name>]``):
+# each replaces one module function, so the update is no longer correct; the
+# time left says what that stage costs. name -> (what, module, function, stand-in).
+ABLATIONS = {
+    "no-random-bits": (
+        "the counter hash replaced by the element index xor the stream constant",
+        bits_lib,
+        "random_bits",
+        _cheap_bits,
+    ),
+    "fixed-scales": (
+        "no block statistics: every block's scale is 1",
+        codes_lib,
+        "encode_many",
+        _fixed_scales,
+    ),
+    "no-landing-check": (
+        "the weights' update is target - old, never checked",
+        bits_lib,
+        "landing_update",
+        _unchecked_landing,
+    ),
+}
 
 
 @contextlib.contextmanager
@@ -286,15 +300,10 @@ def ablated(names: list[str]) -> Any:
         raise ValueError(
             f"unknown ablation {unknown[0]!r}; choose from {', '.join(ABLATIONS)}"
         )
-    patches = {
-        "no-random-bits": (bits_lib, "random_bits", _cheap_bits),
-        "fixed-scales": (codes_lib, "encode_many", _fixed_scales),
-        "no-landing-check": (bits_lib, "landing_update", _unchecked_landing),
-    }
     if not names:
         yield
         return
-    chosen = [patches[n] for n in names]
+    chosen = [ABLATIONS[n][1:] for n in names]
     for name, statics in (
         ("_encode_leaves", ("tier", "block")),
         ("_land_leaf", ("exact", "update_dtype")),
