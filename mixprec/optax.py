@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ._src import training
+from ._src import _compat, training
 from ._src.autocast import nnx_state
 from ._src.casting import is_floating_array
 from ._src.compact.optimizer import (
@@ -448,33 +448,67 @@ def current_loss_scale(state: Any) -> LossScale:
     return _the_state(state, "current_loss_scale").loss_scale
 
 
+class _LossScaleStats(dict):
+    """What `loss_scale_stats` returns: a dict of arrays (a pytree, so it goes
+    in and out of ``jax.jit``) whose repr shows their values as plain numbers
+    once they are concrete, e.g. ``{'loss_scale': 32768.0, ...}``."""
+
+    def __repr__(self) -> str:
+        if not all(map(_readable, self.values())):
+            return super().__repr__()  # traced, or spread over other processes
+        return repr({k: np.asarray(v).item() for k, v in self.items()})
+
+
+def _readable(x: Any) -> bool:
+    if _compat.is_tracer(x):
+        return False
+    return not isinstance(x, jax.Array) or x.is_fully_addressable
+
+
+jax.tree_util.register_pytree_with_keys(
+    _LossScaleStats,
+    lambda d: ([(jax.tree_util.DictKey(k), v) for k, v in d.items()], tuple(d)),
+    lambda keys, values: _LossScaleStats(zip(keys, values, strict=True)),
+    lambda d: (list(d.values()), tuple(d)),
+)
+
+
 def loss_scale_stats(state: Any) -> dict[str, jax.Array]:
     """Numbers to log: the current scale, the skip counters, time at the floor.
+
+    Works inside ``jax.jit`` as outside it. The values are arrays (logged or
+    returned from a jitted step as they are); the dict prints them as plain
+    numbers once they are concrete, and ``float(stats["loss_scale"])`` or
+    ``jax.device_get(stats)`` reads them on the host.
 
     Args:
       state: an optimizer state holding exactly one `LossScaledState`.
 
     Returns:
-      A dict with ``loss_scale`` (float32), ``num_skipped`` and
+      A dict (a pytree) with ``loss_scale`` (float32), ``num_skipped`` and
       ``num_consecutive_skipped`` (int32), ``last_finite`` (bool) and
       ``num_steps_at_floor`` (int32: steps in a row the scale has sat at its
       floor, ``min_loss_scale``; a large number means float16 gradients are
-      flushing to zero again).
+      flushing to zero again), each a scalar array.
 
     Examples:
-      >>> import jax.numpy as jnp, optax
+      >>> import jax, jax.numpy as jnp, optax
       >>> import mixprec, mixprec.optax
       >>> opt = mixprec.optax.loss_scaled(optax.sgd(0.1), mixprec.StaticLossScale(8.0))
       >>> stats = mixprec.optax.loss_scale_stats(opt.init(jnp.zeros(2)))
-      >>> {k: v.item() for k, v in stats.items()}  # doctest: +NORMALIZE_WHITESPACE
+      >>> stats  # doctest: +NORMALIZE_WHITESPACE
       {'loss_scale': 8.0, 'num_skipped': 0, 'num_consecutive_skipped': 0,
        'last_finite': True, 'num_steps_at_floor': 0}
+      >>> stats["loss_scale"]
+      Array(8., dtype=float32)
+      >>> jax.jit(mixprec.optax.loss_scale_stats)(opt.init(jnp.zeros(2)))["num_skipped"]
+      Array(0, dtype=int32)
     """
     s = _the_state(state, "loss_scale_stats")
-    return {
-        "loss_scale": jnp.asarray(s.loss_scale.loss_scale),
-        "num_skipped": s.num_skipped,
-        "num_consecutive_skipped": s.num_consecutive_skipped,
-        "last_finite": s.last_finite,
-        "num_steps_at_floor": s.num_steps_at_floor,
-    }
+    return _LossScaleStats(
+        loss_scale=jnp.asarray(s.loss_scale.loss_scale),
+        num_skipped=s.num_skipped,
+        num_consecutive_skipped=s.num_consecutive_skipped,
+        last_finite=s.last_finite,
+        num_steps_at_floor=s.num_steps_at_floor,
+    )

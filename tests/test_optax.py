@@ -345,3 +345,33 @@ def test_multisteps_object_or_its_transformation_are_the_same():
         ua, sa = a.update(g, sa, params)
         ub, sb = b.update(g, sb, params)
         _tree_equal(ua, ub)
+
+
+def test_loss_scale_stats_print_as_numbers_and_work_under_jit():
+    opt = mpo.loss_scaled(optax.sgd(0.1), mixprec.DynamicLossScale(2.0**15))
+    state = opt.init(_params())
+    stats = mpo.loss_scale_stats(state)
+    assert repr(stats) == (
+        "{'loss_scale': 32768.0, 'num_skipped': 0, 'num_consecutive_skipped': 0, "
+        "'last_finite': True, 'num_steps_at_floor': 0}"
+    )
+    assert str(stats) == repr(stats) and "Array" not in f"{stats}"
+    # The values stay arrays, with their dtypes.
+    assert stats["loss_scale"].dtype == jnp.float32
+    assert stats["num_skipped"].dtype == jnp.int32
+    assert stats["last_finite"].dtype == jnp.bool_
+    seen = []
+
+    @jax.jit
+    def step(state):
+        inside = mpo.loss_scale_stats(state)
+        seen.append(repr(inside))  # traced: the values are not numbers yet
+        return inside, inside["loss_scale"] * 2
+
+    out, doubled = step(state)
+    assert "Tracer" in seen[0] and "float32[]" in seen[0]
+    assert float(doubled) == 65536.0
+    assert repr(out) == repr(stats)  # a pytree: returned from jit, still readable
+    assert type(out) is type(stats) and len(jax.tree.leaves(out)) == 5
+    host = jax.device_get(out)
+    assert repr(host) == repr(stats) and isinstance(host["num_skipped"], np.ndarray)
