@@ -469,7 +469,7 @@ def compact_state(
             )
             for i, x in zip(members, encoded, strict=True):
                 out[i] = x
-        return jax.tree.unflatten(treedef, out)
+        return state_lib.unbox_compressed(jax.tree.unflatten(treedef, out))
 
     def init_fn(params: Any) -> CompactState:
         _check_params(

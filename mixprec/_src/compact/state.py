@@ -5,6 +5,7 @@ No optax here: ``mixprec.orbax`` converts checkpoints with it.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, NamedTuple
 
 import jax
@@ -60,6 +61,36 @@ def _is_state(x: Any) -> bool:
 
 def _is_compressed(x: Any) -> bool:
     return isinstance(x, codes.Compressed)
+
+
+def unbox_compressed(tree: Any) -> Any:
+    """``tree`` with every Flax NNX Variable that holds a ``Compressed`` replaced
+    by that ``Compressed``.
+
+    Under ``nnx.Optimizer`` the inner optimizer's ``init`` gets the params as
+    Variables, so a moment is a Variable around an array; encoding the array
+    leaves a Variable around a ``Compressed``, which ``nnx.Optimizer`` keeps as
+    one Variable. NNX flattens a state into arrays and pytree nodes, and
+    ``nnx.update`` writes the new ``Compressed``'s children into that one
+    Variable as an ``nnx.State`` of its codes and scale (tier and dtype lost),
+    which no later update decodes. Unboxed, each array of a ``Compressed`` is a
+    Variable of its own, as each array of a plain optax state is, and updates
+    write each in place. Flax is not imported here unless the caller has
+    imported ``flax.nnx``.
+    """
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None:
+        return tree
+
+    def is_variable(x: Any) -> bool:
+        return isinstance(x, nnx.Variable)
+
+    def unbox(x: Any) -> Any:
+        if is_variable(x) and _is_compressed(x.get_value()):
+            return x.get_value()
+        return x
+
+    return jax.tree.map(unbox, tree, is_leaf=is_variable)
 
 
 def find_states(tree: Any) -> list[CompactState]:
