@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 import mixprec.optax as mpo
-from mixprec._src.compact import codes
+from mixprec._src.compact import codes, state as compact_state_lib
 
 
 MOMENTS = ("float32", "bfloat16-sr", "int8", "float8")
@@ -98,3 +98,59 @@ def test_nnx_optimizer_matches_plain_optax(moments, weights, jit):
     ]
     assert len(compressed) == (0 if moments == "float32" else 8)
     assert all(c.tier == moments for c in compressed)
+
+
+# ------------------------------------------------------------------ zero-size leaves
+
+ZERO_SHAPES = [(64, 0), (0,), (0, 8), (0, 0)]
+WEIGHTS = ("float32", "bfloat16-exact", "bfloat16-sr")
+
+
+@pytest.mark.parametrize("tier", ["bfloat16-sr", "int8", "float8"])
+@pytest.mark.parametrize("shape", ZERO_SHAPES)
+def test_zero_size_leaf_encodes_and_decodes(tier, shape):
+    x = jnp.zeros(shape)
+    c = jax.jit(lambda x: codes.encode(x, tier, x.astype(jnp.uint32), block=256))(x)
+    out = jax.jit(codes.decode)(c)
+    assert out.shape == shape
+    assert out.dtype == jnp.float32
+
+
+@adam_promotion
+@pytest.mark.parametrize("weights", WEIGHTS)
+@pytest.mark.parametrize("moments", MOMENTS)
+def test_zero_size_leaves_train_in_every_tier(weights, moments):
+    policy = "p=f32" if weights == "float32" else "p=bf16,c=bf16,o=f32"
+    opt = mpo.compact_state(
+        optax.adamw(1e-2), weights=weights, moments=moments, policy=policy
+    )
+    p32 = {f"z{i}": jnp.zeros(s) for i, s in enumerate(ZERO_SHAPES)}
+    p32["w"] = jax.random.normal(jax.random.key(0), (4, 64))
+    params = mpo.compact_params(p32, weights)
+    state = opt.init(p32)
+
+    @jax.jit
+    def step(params, state):
+        grads = jax.tree.map(lambda p: jnp.ones_like(p), params)
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    for _ in range(3):
+        params, state = step(params, state)
+    for name, shape in zip(p32, [*ZERO_SHAPES, (4, 64)], strict=True):
+        assert params[name].shape == shape
+        assert params[name].dtype == mpo.compact_params(p32, weights)[name].dtype
+        for moment in (state.inner_state[0].mu, state.inner_state[0].nu):
+            decoded = codes.decode(moment[name])
+            assert decoded.shape == shape
+            assert decoded.dtype == jnp.float32
+    assert not np.array_equal(np.asarray(params["w"]), np.asarray(p32["w"]))
+    assert int(state.num_missed) == 0
+    # Into another tier and back: the conversion reads each leaf's blocks.
+    other = "float8" if moments == "int8" else "int8"
+    target = mpo.compact_state(
+        optax.adamw(1e-2), weights=weights, moments=other, policy=policy
+    ).init(p32)
+    _, converted = compact_state_lib.convert((params, state), (params, target))
+    for name, shape in zip(p32, [*ZERO_SHAPES, (4, 64)], strict=True):
+        assert codes.decode(converted.inner_state[0].nu[name]).shape == shape

@@ -104,6 +104,23 @@ def block_size(n: int, block: int) -> int:
     return g if g >= min(MIN_BLOCK, n) else n
 
 
+def stored_block(c: Compressed) -> int:
+    """The block length a `Compressed` leaf was encoded with (1 for
+    ``"bfloat16-sr"``, which has no blocks, and for a leaf with no elements
+    along its last axis, whose zero blocks have any length).
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> zeros = jnp.zeros((64, 0))
+        >>> c = encode(zeros, "int8", zeros.astype(jnp.uint32), block=256)
+        >>> c.scale.shape, stored_block(c), decode(c).shape
+        ((64, 0), 1, (64, 0))
+    """
+    if c.scale is None or c.scale.shape[-1] == 0:
+        return 1
+    return c.codes.shape[-1] // c.scale.shape[-1]
+
+
 def _blocks(x: jax.Array, block: int) -> jax.Array:
     n = x.shape[-1]
     b = block_size(n, block)
@@ -317,7 +334,7 @@ def decode(c: Any) -> jax.Array:
         return c.codes.astype(c.dtype)
     assert c.scale is not None
     shape = c.codes.shape
-    codes = _blocks(c.codes, block=c.codes.shape[-1] // c.scale.shape[-1])
+    codes = _blocks(c.codes, block=stored_block(c))
     scale = c.scale[..., None]
     absmax = jnp.abs(scale)
     unsigned = scale < 0

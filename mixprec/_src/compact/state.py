@@ -197,11 +197,7 @@ def convert(saved: Any, target: Any, *, seed: int = 0) -> Any:
         for i, (tl, sl) in enumerate(zip(t_leaves, s_leaves, strict=True)):
             if _is_compressed(tl):
                 sl = jnp.asarray(sl, jnp.float32)
-                block = (
-                    tl.codes.shape[-1] // tl.scale.shape[-1]
-                    if tl.scale is not None
-                    else 1
-                )
+                block = codes.stored_block(tl)
                 rnd = bits_lib.random_bits(
                     bits_lib.global_index(sl.shape),
                     count,
