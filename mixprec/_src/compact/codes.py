@@ -347,6 +347,12 @@ def decode(c: Any) -> jax.Array:
         mag = jnp.where(m > 0, (m + _int8_bias(unsigned)) << _DROP, jnp.uint32(0))
         val = _float(mag | ((cb & ~mask) << 24))
     else:
-        f = codes.astype(jnp.float32) * jnp.float32(1 / _E4M3_MAX)
+        # 1/448 passes an optimization barrier, so that XLA sees no constant
+        # to fold: where a shard is small (an (8,) leaf on 8 devices), XLA
+        # turns the broadcast 1/448 into a literal and rewrites (c * k)**2
+        # into c**2 * k**2, rounded elsewhere, and the shards decode other
+        # bits than one device does.
+        k = lax.optimization_barrier(jnp.float32(1 / _E4M3_MAX))
+        f = codes.astype(jnp.float32) * k
         val = jnp.where(unsigned, f * f, f)
     return (val * absmax).reshape(shape).astype(c.dtype)
