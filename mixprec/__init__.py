@@ -12,7 +12,8 @@ Names by concern: policies and casting (``Policy``, ``get_policy``,
 ``policy_scope``, ``cast_tree``, ...), loss scaling (``DynamicLossScale``,
 ``all_finite``, ...), autocast (``autocast``, ``float32_scope``,
 ``modify_mixlist``, ``register_rule``, ``Float8Recipe``, ...), training
-(``value_and_grad``, ``grad``), and numerics (``explain``, ``diagnose``).
+(``value_and_grad``, ``grad``), and numerics (``explain``, ``diagnose``, ``plan``,
+``Plan``).
 """
 
 from importlib import metadata as _metadata
@@ -54,6 +55,8 @@ from ._src.numerics.explain import (
     PrecisionReport as PrecisionReport,
     explain as explain,
 )
+from ._src.numerics.plan import plan as plan
+from ._src.plan import Plan as Plan
 from ._src.policy import (
     Policy as Policy,
     dtype_to_names as dtype_to_names,

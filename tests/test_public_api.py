@@ -41,6 +41,8 @@ EXPECTED = {
     "diagnose",
     "PrecisionReport",
     "DiagnosisReport",
+    "plan",
+    "Plan",
 }
 
 

@@ -46,6 +46,7 @@ from mixprec._src.autocast import interpreter, nnx_state, regions, rules
 from mixprec._src.autocast.config import CastConfig, make_config
 from mixprec._src.autocast.interpreter import Observer, Walk
 from mixprec._src.autocast.ops import OpLists
+from mixprec._src.plan import Plan
 from mixprec._src.policy import Policy, get_global_policy
 
 
@@ -468,7 +469,7 @@ def trace_transformed(
 
 def autocast(
     fn: F,
-    policy: Policy | str | None = None,
+    policy: Policy | Plan | str | None = None,
     *,
     mode: str = "allow_mix_precision",
     mixlist: Mapping[str, Any] | str | os.PathLike | OpLists | None = None,
@@ -536,6 +537,8 @@ def autocast(
         policy: a :class:`mixprec.Policy` or a string for
             :func:`mixprec.get_policy` (``"mixed_bfloat16"``,
             ``"p=f32,c=bf16,o=f32"``). None: the global policy at call time.
+            A :class:`mixprec.Plan`: a policy per matmul site (its base
+            policy for the rest; see ``docs/plans.md``).
         mode: the precision mode: ``"allow_mix_precision"`` (default),
             ``"allow_mix_precision_bf16"``, ``"allow_fp32_to_fp16"``,
             ``"allow_fp32_to_bf16"``, ``"force_fp16"``, ``"force_fp32"``,

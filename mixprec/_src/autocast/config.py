@@ -13,6 +13,7 @@ from mixprec._src.autocast.mixlist import modify_mixlist
 from mixprec._src.autocast.modes import effective_low_dtype, validate_mode
 from mixprec._src.autocast.ops import OpLists, default_op_lists
 from mixprec._src.autocast.platforms import canonical_platform
+from mixprec._src.plan import Plan
 from mixprec._src.policy import Policy, get_global_policy, get_policy
 
 
@@ -44,6 +45,10 @@ class CastConfig:
             (:func:`~mixprec._src.autocast.capability.cpu_bf16`) when the
             transformed function is called, so that making a configuration
             initialises no JAX backend.
+        plan: a :class:`mixprec.Plan` giving matmul sites their own
+            policies (``policy`` is then its base), or ``None``; resolved
+            per equation by the walk, where regions are
+            (:mod:`~mixprec._src.autocast.sites`).
 
     Examples:
         >>> cfg = make_config("mixed_bfloat16")
@@ -59,6 +64,7 @@ class CastConfig:
     platform: str | None = None
     custom_vjp_dots: bool = False
     cpu_bf16: str | None = None
+    plan: Plan | None = None
 
     def with_policy(self, policy: Policy) -> CastConfig:
         """This configuration under another policy (and its low dtype)."""
@@ -94,7 +100,7 @@ class CastConfig:
 
 
 def make_config(
-    policy: Policy | str | None = None,
+    policy: Policy | Plan | str | None = None,
     *,
     mode: str = "allow_mix_precision",
     mixlist: Any = None,
@@ -106,7 +112,8 @@ def make_config(
     """Builds the :class:`CastConfig` that :func:`mixprec.autocast` would use.
 
     Args:
-        policy: a policy or policy string; None means the global policy.
+        policy: a policy or policy string; None means the global policy;
+            a :class:`mixprec.Plan` (its base policy, and its sites).
         mode: the precision mode.
         mixlist: a ``modify_mixlist`` spec (dict, JSON string or path) applied
             to the lists, an :class:`~mixprec.OpLists` to use as they are, or None.
@@ -133,6 +140,9 @@ def make_config(
                 f"`autocast(..., {name}=...)` must be True or False, got "
                 f"{value!r} ({type(value).__name__}) instead."
             )
+    plan = policy if isinstance(policy, Plan) else None
+    if isinstance(policy, Plan):
+        policy = policy.base
     pol = get_global_policy() if policy is None else get_policy(policy)
     validate_mode(mode)
     base = default_op_lists() if lists is None else lists
@@ -149,4 +159,5 @@ def make_config(
         strict=bool(strict),
         platform=canonical_platform(platform),
         custom_vjp_dots=bool(custom_vjp_dots),
+        plan=plan,
     ).resolved(probe=False)

@@ -40,6 +40,7 @@ import contextlib
 import dataclasses
 import functools as ft
 import os
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -47,8 +48,15 @@ import numpy as np
 from jax.extend import source_info_util as siu
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal
 
-from mixprec._src import _compat
-from mixprec._src.autocast import facts as facts_lib, jaxprs, ops, regions, rewrites
+from mixprec._src import _compat, plan as plan_lib
+from mixprec._src.autocast import (
+    facts as facts_lib,
+    jaxprs,
+    ops,
+    regions,
+    rewrites,
+    sites as sites_lib,
+)
 from mixprec._src.autocast.avals import float_dtype
 from mixprec._src.autocast.config import CastConfig
 from mixprec._src.autocast.decide import (
@@ -183,6 +191,7 @@ class Walk:
         "parent_source",
         "path",
         "scope",
+        "sites",
         "trip",
     )
 
@@ -198,6 +207,7 @@ class Walk:
     float32_lines: frozenset[tuple[str, int]]
     current: JaxprEqn | None
     facts: Facts
+    sites: dict[int, tuple[Any, ...]]
 
     def __init__(
         self,
@@ -214,6 +224,7 @@ class Walk:
         float32_lines: frozenset[tuple[str, int]] = frozenset(),
         current: JaxprEqn | None = None,
         facts: Facts | None = None,
+        sites: dict[int, tuple[Any, ...]] | None = None,
     ) -> None:
         set_ = object.__setattr__
         set_(self, "config", config)
@@ -236,6 +247,9 @@ class Walk:
         # The higher-order equation whose rule holds this walk.
         set_(self, "current", current)
         set_(self, "facts", Facts() if facts is None else facts)
+        # Under a plan: the sites of the jaxpr being walked's products
+        # (`sites.name_sites`, by equation id).
+        set_(self, "sites", {} if sites is None else sites)
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"`Walk` is immutable: cannot set {name!r}.")
@@ -278,14 +292,16 @@ class Walk:
             "float32_lines": self.float32_lines,
             "current": self.current,
             "facts": self.facts,
+            "sites": self.sites,
         }
         config = changes.pop("config", self.config)
         kw.update(changes)
         return Walk(config, **kw)
 
-    def over(self, facts: Facts) -> Walk:
-        """This walk over another jaxpr's facts."""
-        return self._copy(facts=facts)
+    def over(self, facts: Facts, sites: dict[int, Any] | None = None) -> Walk:
+        """This walk over another jaxpr's facts (and, under a plan, the
+        sites of its products)."""
+        return self._copy(facts=facts, sites=sites)
 
     def at(self, eqn: JaxprEqn) -> Walk:
         """This walk, inside the rule of the higher-order equation ``eqn``."""
@@ -296,7 +312,8 @@ class Walk:
         equation (its facts: a new table, made when the body is walked)."""
         path = f"{self.path}/{label}" if self.path else label
         changes: dict[str, Any] = {"path": path, "trip": self.trip * _trip(trip)}
-        if self.observer is not None and self.current is not None:
+        planned = self.config.plan is not None
+        if (self.observer is not None or planned) and self.current is not None:
             here = _compat.eqn_source_summary(self.current.source_info)
             changes["parent_source"] = here or self.parent_source
             stack = _compat.eqn_name_stack(self.current.source_info)
@@ -325,13 +342,19 @@ class Walk:
     @property
     def key(self) -> tuple[Any, ...]:
         """What decides how a body is transformed (for caches)."""
-        return (
+        key: tuple[Any, ...] = (
             self.config,
             self.float32,
             self.composite,
             self.backward,
             self.float32_lines,
         )
+        if self.config.plan is not None:
+            # A plan names a body's sites by the layers around it.
+            here = self.current
+            stack = "" if here is None else _compat.eqn_name_stack(here.source_info)
+            key += (self.scope, stack)
+        return key
 
     def in_region(self, region: tuple[str, Any] | None) -> Walk:
         """This walk inside a region (:mod:`~mixprec._src.autocast.regions`):
@@ -342,9 +365,11 @@ class Walk:
         if kind == "float32":
             return self._copy(float32=True, composite="")
         if kind == "policy":
-            return self._copy(
-                config=self.config.with_policy(value), float32=False, composite=""
-            )
+            # A region written in the code wins over a plan inside it.
+            config = self.config.with_policy(value)
+            if config.plan is not None:
+                config = dataclasses.replace(config, plan=None)
+            return self._copy(config=config, float32=False, composite="")
         return self._copy(config=value, float32=False, composite="")
 
     def for_eqn(self, eqn: JaxprEqn) -> Walk:
@@ -354,12 +379,65 @@ class Walk:
             lines = _compat.eqn_frame_lines(eqn.source_info)
             if not self.float32_lines.isdisjoint(lines):
                 region = ("float32", None)
-        if region is None and (not backward or self.backward):
+        planned = None
+        if region is None and self.config.plan is not None and not self.float32:
+            planned = self._planned_policy(eqn)
+        if region is None and planned is None and (not backward or self.backward):
             return self
         walk = self
         if backward and not self.backward:
             walk = walk._copy(backward=True)
+        if planned is not None:
+            return walk._copy(config=_site_config(self.config, planned))
         return walk.in_region(region)
+
+    def _planned_policy(self, eqn: JaxprEqn) -> Any:
+        """The policy the plan gives ``eqn`` if it differs from the walk's
+        (a product's site; a fused attention's products, the widest), else
+        ``None``."""
+        plan = self.config.plan
+        assert plan is not None
+        eqns: Sequence[JaxprEqn] = (eqn,)
+        if ops.FUSION in getattr(ops.spec_for(eqn.primitive.name), "flags", ()):
+            fusion = eqn.params.get("fusion")
+            part = eqn.params.get("part")
+            if part == "backward":
+                fusion = getattr(fusion, "backward", None)
+            eqns = tuple(getattr(fusion, "eqns", ()))
+        keys = [k for e in eqns for k in self.sites.get(id(e), ())]
+        if not keys:
+            return None
+        policy = max((plan.policy_for(*k) for k in keys), key=plan_lib.policy_rank)
+        return None if policy == self.config.policy else policy
+
+
+@ft.lru_cache(maxsize=1024)
+def _site_config(config: CastConfig, policy: Any) -> CastConfig:
+    """``config`` for one product a plan gives ``policy`` (the plan kept)."""
+    return config.with_policy(policy)
+
+
+_checked: set[tuple[Any, int]] = set()
+
+
+def _check_rules(plan: Any, jaxpr: Jaxpr) -> None:
+    """Warns, once per plan and program, of each rule that matches no
+    product of the program, with the closest layer paths."""
+    if not plan.rules or (plan, id(jaxpr)) in _checked:
+        return
+    _checked.add((plan, id(jaxpr)))
+    for i, rule, close in plan.unmatched_rules(sites_lib.program_sites(jaxpr)):
+        near = ", ".join(repr(c) for c in close) or "none (no products)"
+        warnings.warn(
+            f"`Plan` rules[{i}] ({rule.layers!r}, ops={list(rule.ops)}) matches no "
+            f"matmul site of this program. The closest layer paths: {near}.",
+            PlanWarning,
+            stacklevel=2,
+        )
+
+
+class PlanWarning(UserWarning):
+    """A plan says something that does not apply to the program."""
 
 
 def _trip(n: Any) -> int:
@@ -659,7 +737,14 @@ def eval_jaxpr(
         consts = jaxpr.consts
         jaxpr = jaxpr.jaxpr
     facts = Facts()
-    walk = walk.over(facts)
+    plan = walk.config.plan
+    named = None
+    if plan is not None:
+        open_jaxpr: Jaxpr = jaxpr  # type: ignore[assignment]
+        named = sites_lib.name_sites(open_jaxpr, walk.scope, walk.backward)
+        if not walk.path and not walk.scope:
+            _check_rules(plan, open_jaxpr)
+    walk = walk.over(facts, named)
     if walk.rewrites:
         jaxpr = rewrites.rewrite(jaxpr, consts, known)  # type: ignore[arg-type]
     env: dict[Any, Any] = {}

@@ -384,6 +384,10 @@ class OpRecord:
         call_site: the innermost line of the user's own code behind the op
             when its ``source`` is in an installed package (``flax/linen/
             linear.py``), ``""`` otherwise.
+        site: under a :class:`mixprec.Plan`, the plan site of a matmul-like
+            op, ``(layer, op, index)`` (a backward product: its forward
+            site's; ``index`` ``None`` when not traced back to one); ``None``
+            otherwise.
 
     Examples:
         >>> import jax.numpy as jnp
@@ -414,6 +418,7 @@ class OpRecord:
     float8_skip_reason: str | None = None
     layer: str = ""
     call_site: str = ""
+    site: tuple[str, str, int | None] | None = None
 
     @classmethod
     def observed(
@@ -479,7 +484,13 @@ def record_fields(
     """The fields of an :class:`OpRecord` that do not depend on values."""
     source = eqn_source(eqn) or getattr(walk, "parent_source", "")
     layer, call_site = eqn_layer(eqn, getattr(walk, "scope", ""))
+    reason = decision.reason
+    keys = getattr(walk, "sites", {}).get(id(eqn), ())
+    site = keys[0] if keys else None
+    if site is not None and walk.config.plan is not None:
+        reason = f"plan: policy {walk.config.policy} for its site; {reason}"
     return {
+        "site": site,
         "layer": layer,
         "call_site": call_site,
         "primitive": eqn.primitive.name,
@@ -491,7 +502,7 @@ def record_fields(
         "op_class": decision.op_class or "clear",
         "decision": decision.label,
         "dtype": None if decision.dtype is None else str(decision.dtype),
-        "reason": decision.reason,
+        "reason": reason,
         "flops": eqn_flops(eqn) * walk.trip,
         "float8": None if decision.float8 is None else str(decision.float8),
         "float8_skip": None

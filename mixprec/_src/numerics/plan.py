@@ -1,0 +1,440 @@
+"""``mixprec.plan``: measure each matmul site under each candidate policy, and
+choose per site the cheapest one that stays within tolerance.
+
+For each forward matmul-like site of ``loss_fn`` (a ``dot_general``, a
+convolution, a grouped matmul: the ops whose op-table entry has a
+``Product``) and each candidate policy, it measures:
+
+* the op's own output error against float32, and its overflow and
+  underflow counts (float8: the operand values flushed to zero), exactly as
+  :func:`mixprec.diagnose` measures them (one diagnose run per candidate,
+  every site at that candidate, each op compared on float32 inputs);
+* the effect on the loss and on the gradients when that site *alone* runs
+  at the candidate and everything else in float32 (its backward products
+  follow it): ``loss_error = |L - L32| / |L32|``, ``grad_error`` the largest
+  ``‖g - g32‖ / ‖g32‖`` over the gradient leaves. One site at a time isolates
+  what each costs; effects of several sites add up roughly, so check the
+  whole plan's effect by running it (the docs show how).
+
+A candidate is within tolerance at a site when its effect,
+``max(loss_error, grad_error)``, is at most ``tolerance`` and the op neither
+overflows nor turns non-finite. The chosen candidate is the cheapest within
+tolerance, by the site's estimated time on the target platform: its FLOPs
+over the throughput of the dtype the product runs in there (a float8 policy's
+product that the recipe keeps in bfloat16 costs bfloat16's). float32 (the
+reference) always passes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mixprec._src.plan import Plan, Site
+from mixprec._src.policy import Policy, get_policy
+
+
+__all__ = ["DEFAULT_TOLERANCE", "THROUGHPUT", "plan", "render_plan", "runs_as"]
+
+#: The default tolerance on a site's effect (``max(loss_error, grad_error)``,
+#: relative). Measured (``tests/test_plan.py``, ``benchmarks/bench_plan.py``):
+#: one well-scaled product in float8 alone moves the loss by 1e-4 to 1e-3 and
+#: its layer's weight gradient by 3-8% (e5m2 gradients have two mantissa
+#: bits), bfloat16 by under 1%; a layer that reads activations 1e5-1e6 times
+#: the rest moves the loss or gradients by 20% to over 100% in float8 (the
+#: tensorwise scale flushes everything but the outliers). 0.15 sits between.
+DEFAULT_TOLERANCE = 0.15
+
+#: Dense matmul throughput per platform and dtype, FLOP/s, with sources.
+#: ``h100``: float8 and bfloat16 measured on an H100 80GB (JAX 0.11.2,
+#: 16384x4096x16384, 2026-11-25, ``docs/float8.md``); float32 is NVIDIA's
+#: published dense TF32 figure for the H100 SXM (494.7 TFLOP/s, the datasheet
+#: number, not measured); float16 taken equal to bfloat16 (NVIDIA lists equal
+#: dense FP16 and BF16 rates; not measured here). ``cpu``: float32 and
+#: bfloat16 (bf16 x bf16 -> f32) measured on the 2-core AMD EPYC with
+#: avx512_bf16 this was written on (2048^3, median of 7, load 7.3,
+#: 2026-12-01); XLA:CPU has no float8 GEMM (float8 is emulated through
+#: bfloat16, so it costs bfloat16's) and no native float16 (float32's).
+THROUGHPUT: dict[str, dict[str, float]] = {
+    "h100": {
+        "float8": 1144e12,
+        "bfloat16": 659e12,
+        "float16": 659e12,
+        "float32": 494.7e12,
+    },
+    "cpu": {
+        "float8": 142.8e9,
+        "bfloat16": 142.8e9,
+        "float16": 82.2e9,
+        "float32": 82.2e9,
+    },
+}
+
+_RUNS = ("float8", "bfloat16", "float16", "float32")
+
+
+def runs_as(policy: Policy | str) -> str:
+    """The dtype a product runs in under ``policy`` when nothing keeps it
+    wider: ``"float8"``, ``"bfloat16"``, ``"float16"`` or ``"float32"``.
+
+    Examples:
+        >>> runs_as("mixed_float8"), runs_as("float32")
+        ('float8', 'float32')
+    """
+    p = get_policy(policy)
+    if p.float8 is not None:
+        return "float8"
+    name = str(np.dtype(p.compute_dtype))
+    return name if name in _RUNS else "float32"
+
+
+def _site_runs_as(site: Site, policy: str) -> str:
+    m = site.measurements().get(policy, {})
+    value = m.get("runs_as")
+    return value if isinstance(value, str) and value in _RUNS else runs_as(policy)
+
+
+def _throughput(platform: str) -> dict[str, float]:
+    table = THROUGHPUT.get(platform)
+    if table is None:
+        raise ValueError(
+            f"`mixprec.plan(..., platform=...)` must be one of "
+            f"{sorted(THROUGHPUT)}, got {platform!r}."
+        )
+    return table
+
+
+# ------------------------------------------------------------------ measuring
+
+
+def _leaves(tree: Any) -> list[np.ndarray]:
+    return [np.asarray(x, np.float64) for x in jax.tree.leaves(tree)]
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    if not np.isfinite(b).all():
+        return math.inf
+    den = float(np.linalg.norm(a))
+    num = float(np.linalg.norm(b - a))
+    if den == 0.0:
+        return 0.0 if num == 0.0 else math.inf
+    return num / den
+
+
+def _effects(
+    ref: tuple[np.ndarray, list[np.ndarray]],
+    got: tuple[np.ndarray, list[np.ndarray]],
+) -> tuple[float, float]:
+    (l32, g32), (lc, gc) = ref, got
+    if not np.isfinite(lc).all():
+        loss_error = math.inf
+    else:
+        den = max(float(np.abs(l32).max(initial=0.0)), 1e-30)
+        loss_error = float(np.abs(lc - l32).max(initial=0.0)) / den
+    grad_error = max((_rel(a, b) for a, b in zip(g32, gc, strict=True)), default=0.0)
+    return loss_error, grad_error
+
+
+def _value_and_grad(
+    fn: Callable[..., Any], argnums: Any, loss_scale: float | None
+) -> Callable[..., tuple[np.ndarray, list[np.ndarray]]]:
+    scale = 1.0 if loss_scale is None else float(loss_scale)
+
+    def scaled(*a: Any) -> Any:
+        out = fn(*a)
+        return jnp.asarray(out, jnp.float32) * scale
+
+    step = jax.jit(jax.value_and_grad(scaled, argnums))
+
+    def run(*args: Any) -> tuple[np.ndarray, list[np.ndarray]]:
+        loss, grads = step(*args)
+        return (
+            np.asarray(loss, np.float64) / scale,
+            [g / scale for g in _leaves(grads)],
+        )
+
+    return run
+
+
+@dataclasses.dataclass
+class _Found:
+    """What one forward site is, gathered from the candidates' reports."""
+
+    key: tuple[str, str, int]
+    source: str = ""
+    flops: int = 0
+    runs: dict[str, str] = dataclasses.field(default_factory=dict)
+    measured: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+
+
+def _json_number(x: float) -> float | None:
+    return None if not math.isfinite(x) else float(x)
+
+
+def plan(
+    loss_fn: Callable[..., Any],
+    *args: Any,
+    candidates: Sequence[str] = ("mixed_float8", "mixed_bfloat16", "float32"),
+    tolerance: float = DEFAULT_TOLERANCE,
+    platform: str = "h100",
+    base: Policy | str | None = None,
+    argnums: int | Sequence[int] = 0,
+    loss_scale: float | None = None,
+    mode: str = "allow_mix_precision",
+) -> Plan:
+    """Measure each matmul site of ``loss_fn`` under each candidate policy and
+    choose, per site, the cheapest candidate within ``tolerance``.
+
+    See the module docs for what is measured. The effect of a candidate at a
+    site is measured with that site alone at the candidate and the rest of
+    the program in float32. A site inside a ``lax.scan`` body is one site for
+    all its iterations.
+
+    Args:
+        loss_fn: a function of ``*args`` returning a scalar loss.
+        *args: example arguments (the parameters first, as for
+            ``jax.grad``).
+        candidates: the policies to choose from (policy strings). ``"float32"``
+            is added if missing: a site no candidate suits stays float32.
+        tolerance: the largest effect a site may have (relative, see
+            :data:`DEFAULT_TOLERANCE` for the reasoning behind the default).
+        platform: whose throughput prices the candidates (a key of
+            :data:`THROUGHPUT`: ``"h100"``, ``"cpu"``).
+        base: the policy of every op that is not a matmul site (default: the
+            first candidate without float8, ``mixed_bfloat16`` for the default
+            candidates).
+        argnums: which arguments the gradients are taken with respect to.
+        loss_scale: a loss scale for the gradient runs (float16 candidates):
+            the loss is multiplied by it before differentiating and the
+            gradients divided after.
+        mode: the precision mode the candidates run in.
+
+    Returns:
+        A :class:`mixprec.Plan`; ``print(plan)`` shows one row per site and
+        the estimated speed-up.
+
+    Raises:
+        ValueError: an unknown candidate policy or platform, or a
+            non-positive ``tolerance``.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> import mixprec
+        >>> def loss(w, x):
+        ...     with jax.named_scope("hidden"):
+        ...         h = jnp.tanh(x @ w["a"])
+        ...     with jax.named_scope("out"):
+        ...         return jnp.mean((h @ w["b"]) ** 2)
+        >>> k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+        >>> w = {"a": jax.random.normal(k1, (256, 256)) / 16,
+        ...      "b": jax.random.normal(k2, (256, 256)) / 16}
+        >>> x = jax.random.normal(k3, (128, 256))
+        >>> p = mixprec.plan(loss, w, x)
+        >>> [(s.layer, s.policy) for s in p.sites]
+        [('hidden', 'mixed_float8'), ('out', 'mixed_float8')]
+    """
+    from mixprec._src.numerics.diagnose import diagnose
+    from mixprec._src.numerics.explain import explain
+
+    if not isinstance(tolerance, int | float) or not tolerance > 0:
+        raise ValueError(
+            f"`mixprec.plan(..., tolerance=...)` must be a positive number, got "
+            f"{tolerance!r}."
+        )
+    table = _throughput(platform)
+    names = [str(c) for c in candidates]
+    for c in names:
+        try:
+            get_policy(c)
+        except (ValueError, TypeError) as e:
+            raise ValueError(
+                f"`mixprec.plan(..., candidates=...)`: unknown policy {c!r}: {e}"
+            ) from None
+    if not any(runs_as(c) == "float32" for c in names):
+        names.append("float32")
+    if base is None:
+        first = next(c for c in names)
+        base_policy = get_policy(first).with_float8(None)
+    else:
+        base_policy = get_policy(base)
+
+    # The sites, what each candidate runs them as, and the op's own
+    # measurements (diagnose, every site at the candidate).
+    found: dict[tuple[str, str, int], _Found] = {}
+    for c in names:
+        empty = Plan(get_policy(c))
+        report = explain(loss_fn, *args, policy=empty, mode=mode)
+        for op in report.ops:
+            if op.site is None or op.backward or op.site[2] is None:
+                continue
+            key = (op.site[0], op.site[1], int(op.site[2]))
+            f = found.setdefault(key, _Found(key, source=op.source))
+            if c == names[0]:
+                f.flops += op.flops
+            runs = {"float8": "float8", "low": str(op.dtype)}.get(op.decision)
+            f.runs[c] = runs if runs in _RUNS else "float32"
+        if runs_as(c) == "float32":
+            continue
+        diag = diagnose(loss_fn, *args, policy=empty, mode=mode, refine=False)
+        for op in diag.ops:
+            if op.site is None or op.backward or op.site[2] is None:
+                continue
+            key = (op.site[0], op.site[1], int(op.site[2]))
+            if key not in found:
+                continue
+            m = found[key].measured.setdefault(c, {})
+            m["op_error"] = max(m.get("op_error", 0.0), op.local_rel_error)
+            for name in ("overflow", "underflow", "nonfinite", "flushed", "quantized"):
+                m[name] = m.get(name, 0) + int(getattr(op, name, 0) or 0)
+
+    # The effect of each site alone at each candidate.
+    ref = _value_and_grad(loss_fn, argnums, loss_scale)(*args)
+    from mixprec._src.autocast.api import autocast
+
+    float32 = "float32" if "float32" in names else names[-1]
+    for key, f in found.items():
+        for c in names:
+            m = f.measured.setdefault(c, {})
+            m["runs_as"] = f.runs.get(c, runs_as(c))
+            if runs_as(c) == "float32":
+                m.update(loss_error=0.0, grad_error=0.0, effect=0.0)
+                continue
+            alone = Plan(get_policy(float32), sites=(Site(*key, policy=c),))
+            got = _value_and_grad(
+                autocast(loss_fn, alone, mode=mode), argnums, loss_scale
+            )
+            loss_error, grad_error = _effects(ref, got(*args))
+            m["loss_error"] = _json_number(loss_error)
+            m["grad_error"] = _json_number(grad_error)
+            m["effect"] = _json_number(max(loss_error, grad_error))
+
+    sites = []
+    for key, f in found.items():
+        ok = [c for c in names if _passes(f.measured.get(c, {}), tolerance)]
+        chosen = min(
+            ok,
+            key=lambda c: (f.flops / table[f.runs.get(c, runs_as(c))], names.index(c)),
+        )
+        sites.append(
+            Site(
+                *key,
+                policy=chosen,
+                chosen=chosen,
+                source=f.source,
+                flops=f.flops,
+                measured=tuple(
+                    (c, tuple(sorted(f.measured[c].items()))) for c in names
+                ),
+            )
+        )
+    return Plan(
+        base_policy,
+        sites=tuple(sites),
+        platform=platform,
+        tolerance=float(tolerance),
+        candidates=tuple(names),
+    )
+
+
+def _passes(m: Mapping[str, Any], tolerance: float) -> bool:
+    if m.get("runs_as") == "float32":
+        return True
+    effect = m.get("effect")
+    if effect is None or not effect <= tolerance:
+        return False
+    return not (m.get("overflow") or m.get("nonfinite"))
+
+
+# ------------------------------------------------------------------ showing
+
+
+def flop_shares(p: Plan) -> dict[str, float]:
+    """The share of the sites' FLOPs that runs in each dtype under ``p``."""
+    total = sum(s.flops for s in p.sites)
+    shares: dict[str, float] = {}
+    for s in p.sites:
+        runs = _site_runs_as(s, s.policy)
+        shares[runs] = shares.get(runs, 0.0) + s.flops
+    return {k: v / total for k, v in shares.items()} if total else {}
+
+
+def speedup(p: Plan, platform: str | None = None) -> float | None:
+    """The estimated speed-up of the sites' matmul time under ``p`` against
+    all of them in bfloat16 on ``platform`` (the plan's by default); ``None``
+    without FLOPs. Backward products follow their site, so the forward FLOPs
+    weigh each site."""
+    table = _throughput(platform or p.platform or "h100")
+    plan_time = sum(s.flops / table[_site_runs_as(s, s.policy)] for s in p.sites)
+    bf16_time = sum(s.flops / table["bfloat16"] for s in p.sites)
+    if not plan_time:
+        return None
+    return bf16_time / plan_time
+
+
+def _fmt(x: Any) -> str:
+    if x is None:
+        return "inf"
+    if isinstance(x, float):
+        return f"{x:.2g}"
+    return str(x)
+
+
+def render_plan(p: Plan) -> str:
+    """The text ``print(plan)`` shows."""
+    from mixprec._src.numerics.record import short_source
+    from mixprec._src.numerics.render import fmt_flops, render_table
+
+    cands = list(p.candidates) or sorted({s.policy for s in p.sites})
+    head = ["layer", "op", "#", "source", "FLOPs"]
+    head += [f"effect {c}" for c in cands] + ["policy"]
+    rows = []
+    for s in p.sites:
+        m = s.measurements()
+        row = [
+            s.layer or "-",
+            s.op,
+            str(s.index),
+            short_source(s.source),
+            fmt_flops(s.flops),
+        ]
+        for c in cands:
+            mc = m.get(c)
+            if mc is None:
+                row.append("")
+                continue
+            text = _fmt(mc.get("effect"))
+            if mc.get("runs_as") != runs_as(c):
+                text += f" ({mc.get('runs_as')})"
+            row.append(text)
+        mark = " (by hand)" if s.overridden else "" if s.chosen else " (written)"
+        row.append(s.policy + mark)
+        rows.append(row)
+    title = f"Plan: base {p.base}, {len(p.sites)} sites, {len(p.rules)} rules"
+    if p.tolerance is not None:
+        title += f", tolerance {p.tolerance:g}"
+    lines = [title]
+    if rows:
+        lines = [render_table(title, head, rows, use_rich=False)]
+    for i, r in enumerate(p.rules):
+        ops = ",".join(r.ops) or "all products"
+        lines.append(f"rule {i}: layers {r.layers!r} ops {ops} -> {r.policy}")
+    shares = flop_shares(p)
+    if shares:
+        lines.append(
+            "FLOPs by dtype: "
+            + ", ".join(f"{k} {v:.1%}" for k, v in sorted(shares.items()))
+        )
+    platform = p.platform or "h100"
+    up = speedup(p, platform)
+    if up is not None:
+        lines.append(
+            f"estimated matmul time vs all-bfloat16 on {platform}: {up:.2f}x faster "
+            "(FLOPs over the THROUGHPUT table; sites named by the plan only)"
+        )
+    return "\n".join(lines)
