@@ -129,8 +129,12 @@ def test_inspect_table_and_json(capsys, target):
     d = json.loads(out)
     assert [op["primitive"] for op in d["ops"]] == ["dot_general", "mul"]
     assert d["ops"][0]["decision"] == "low"
-    status, out, _ = run(capsys, ["inspect", f"{target}:f"])  # rich
+    status, out, _ = run(capsys, ["inspect", f"{target}:f", "--width", "160"])  # rich
     assert status == 0 and "┃" in out
+    # Too narrow for a rich table with a readable reason column: plain text,
+    # each reason under its row.
+    status, out, _ = run(capsys, ["inspect", f"{target}:f", "--width", "80"])
+    assert status == 0 and "┃" not in out and "    reason: allow list" in out
 
 
 def test_module_target_and_keyword_example_args(capsys, target, tmp_path, monkeypatch):

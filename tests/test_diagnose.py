@@ -403,7 +403,7 @@ def test_report_table_json_and_str():
     plain = report.table(use_rich=False, only_problems=False)
     assert "mul" in plain and "dot_general" in plain
     assert "first NaN/inf" in plain
-    rich = report.table(use_rich=True)
+    rich = report.table(use_rich=True, width=160)
     assert "mul" in rich and "┃" in rich
     text = str(report)
     assert "first NaN/inf: mul" in text and '"to-add": ["mul"]' in text

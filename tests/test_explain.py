@@ -139,7 +139,7 @@ def test_table_dict_json_and_str():
     assert text.splitlines()[-1] == f"Note: {report.notes[-1]}"
     assert report.notes[-1].startswith("Dots: ")
     assert f"test_explain.py:{line_of(mlp, '# <- dot1')} (mlp)" in text
-    rich = report.table(use_rich=True)
+    rich = report.table(use_rich=True, width=160)
     assert "┃" in rich and "dot_general" in rich
     short = report.table(use_rich=False, max_rows=2)
     assert "more ops not shown" in short
@@ -211,6 +211,114 @@ def test_source_helpers(source, parsed, short):
 def test_plain_table_renderer_without_rich():
     text = render_table("t", ["a", "bb"], [["1", "x"], ["22", "yyy"]], use_rich=False)
     assert text.splitlines() == ["t", "a   bb", "--  ---", "1   x", "22  yyy"]
+
+
+def biased(w, b, x):
+    return jax.nn.relu(x @ w + b[None, :])  # the add's reason is long: fused into the dot
+
+
+def _biased_report():
+    return mixprec.explain(
+        biased,
+        jnp.ones((16, 8)),
+        jnp.ones(8),
+        jnp.ones((4, 16)),
+        policy="mixed_float16",
+    )
+
+
+def _table_lines(text: str) -> list[str]:
+    """The header, rule and rows of a plain table (after its title)."""
+    lines = text.splitlines()[1:]
+    end = next(i for i, line in enumerate(lines) if line.startswith("policy "))
+    return lines[:end]
+
+
+def _column(lines: list[str], name: str, after: str) -> str:
+    """The text of column ``name`` (followed by column ``after``), its wrapped
+    lines joined."""
+    start, stop = lines[0].index(name), lines[0].index(after)
+    return " ".join(
+        " ".join(line[start:stop].split())
+        for line in lines[2:]
+        if line[start:stop].strip()
+    )
+
+
+@pytest.mark.parametrize("width", [100, 140, 220])
+def test_plain_table_fits_the_width_and_wraps_the_reason(width):
+    report = _biased_report()
+    [add] = report.find("add")
+    assert len(add.reason) > 64 and "fused into the dot" in add.reason
+    text = report.table(use_rich=False, width=width)
+    lines = _table_lines(text)
+    assert max(map(len, lines)) <= width
+    if width >= 140:  # the reason is a column: every reason in it, whole
+        assert _column(lines, "reason", "flops") == " ".join(
+            " ".join(op.reason.split()) for op in report.ops
+        )
+    else:  # too narrow for the column: each reason under its row, whole
+        flat = " ".join(text.split())
+        assert "reason" not in lines[0]
+        for op in report.ops:
+            assert f"reason: {' '.join(op.reason.split())}" in flat
+    assert "…" not in " ".join(op.reason for op in report.ops)
+    # A column empty in every row (no layer here; relu has a path) is left out.
+    assert "layer" not in lines[0] and "path" in "\n".join(lines)
+    assert all(not op.layer for op in report.ops)
+
+
+def test_table_width_defaults_to_the_terminal(monkeypatch):
+    report = _biased_report()
+    monkeypatch.setenv("COLUMNS", "90")
+    lines = _table_lines(str(report))
+    assert max(map(len, lines)) <= 90
+    assert "source: test_explain.py:" in "\n".join(lines)  # the source went below
+    monkeypatch.setenv("COLUMNS", "200")
+    assert max(map(len, _table_lines(str(report)))) > 90
+    rich = report.table(use_rich=True)  # rich's console width: COLUMNS too
+    assert "┃" in rich and max(map(len, rich.splitlines()[:-4])) <= 200
+    monkeypatch.setenv("COLUMNS", "60")  # a rich table that narrow: plain text
+    narrow = report.table(use_rich=True)
+    assert "┃" not in narrow and "reason: " in narrow
+
+
+def test_dtype_columns_say_what_they_show():
+    report = _biased_report()
+    [add] = report.find("add")
+    # The add is fused into the float16 dot: its operands arrive in float16,
+    # it runs in float32 on the dot's float32 product and gives float16.
+    assert add.in_dtypes == ("float32", "float32") and add.out_dtypes == ("float16",)
+    text = report.table(use_rich=False, width=220)
+    header = _table_lines(text)[0].split("  ")
+    assert "ran with" in header and "result" in header
+    assert "in" not in [h.strip() for h in header]
+    assert "ran with: the dtypes of the operands the op computed with, after" in text
+    row = next(line for line in _table_lines(text) if " add " in line)
+    assert "f32,f32" in row and "f16" in row and "its operands are float16" in row
+
+
+def test_plain_renderer_puts_long_columns_below_a_narrow_row():
+    rows = [["0", "abcdef", "src.py:1 (f)", "a long reason " * 6]]
+    cols = ["#", "op", "source", "reason"]
+    wide = render_table("t", cols, rows, use_rich=False, width=200, wrap=["reason"])
+    assert len(wide.splitlines()) == 4 and wide.splitlines()[1].endswith("reason")
+    mid = render_table(
+        "t", cols, rows, use_rich=False, width=40, wrap=["reason"], shrink=["source"]
+    )
+    assert mid.splitlines()[1:] == [
+        "#  op      source",
+        "-  ------  ------------",
+        "0  abcdef  src.py:1 (f)",
+        "    reason: a long reason a long reason",
+        "            a long reason a long reason",
+        "            a long reason a long reason",
+    ]
+    narrow = render_table(
+        "t", cols, rows, use_rich=False, width=20, wrap=["reason"], shrink=["source"]
+    )
+    assert narrow.splitlines()[1:4] == ["#  op", "-  ------", "0  abcdef"]
+    assert "    source: src.py:1 (f)" in narrow.splitlines()
 
 
 def test_report_is_read_only_and_deterministic():

@@ -377,8 +377,8 @@ class DiagnosisReport:
         "source",
         "layer",
         "path",
-        "in",
-        "out",
+        "ran with",
+        "result",
         "calls",
         "overflow",
         "underflow",
@@ -435,7 +435,8 @@ class DiagnosisReport:
           only_problems: show only ops with overflow/underflow/non-finite values.
           use_rich: render with rich; default: when rich is installed.
           max_rows: show at most this many rows.
-          width: console width for rich (default 160).
+          width: the width to fit the table to (default: the terminal's, or
+            rich's console width when rich renders); the note column wraps.
 
         Returns:
           The rendered table.
@@ -459,6 +460,8 @@ class DiagnosisReport:
             width=width,
             styles=styles,
             caption=caption,
+            wrap=("note",),
+            shrink=("source", "layer", "path"),
         )
 
     def __str__(self) -> str:

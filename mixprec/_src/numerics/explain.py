@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import textwrap
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,10 +35,13 @@ from mixprec._src.numerics.record import (
     short_source,
 )
 from mixprec._src.numerics.render import (
+    drop_empty_columns,
     fmt_dtypes,
     fmt_flops,
+    have_rich,
     render_table,
     rich_table,
+    terminal_width,
 )
 
 
@@ -187,11 +191,19 @@ class PrecisionReport:
         "source",
         "layer",
         "path",
-        "in",
-        "out",
+        "ran with",
+        "result",
         "decision",
         "reason",
         "flops",
+    )
+    # Wrapped (never cut) and shrunk (cut with "…") to fit the width.
+    _WRAP = ("reason",)
+    _SHRINK = ("source", "layer", "path")
+    _LEGEND = (
+        "ran with: the dtypes of the operands the op computed with, after "
+        "autocast's casts (the reason says how they arrived); result: the dtypes "
+        "of its results."
     )
 
     def _rows(self, max_rows: int | None) -> list[list[str]]:
@@ -224,11 +236,35 @@ class PrecisionReport:
         Args:
           use_rich: render with rich (box drawing); default: when rich is installed.
           max_rows: show at most this many ops.
-          width: console width for rich (default 160).
+          width: the width to fit the table to (default: the terminal's, from
+            ``shutil.get_terminal_size()``, or rich's console width when rich
+            renders; 80 columns when there is no terminal). The reason column
+            wraps; in plain text, when it would be too narrow beside the other
+            columns, it goes below each row, and so do the source, layer and
+            path columns if the row still does not fit.
 
         Returns:
-          The rendered table, followed by the summary and any alignment issues.
+          The rendered table, followed by the summary, what the dtype columns
+          mean, and any alignment issues.
+
+        Examples:
+          >>> import jax.numpy as jnp
+          >>> import mixprec
+          >>> report = mixprec.explain(lambda w, x: jnp.exp(x @ w + 1.0),
+          ...     jnp.ones((16, 10)), jnp.ones((8, 16)), policy="mixed_float16")
+          >>> print(report.table(use_rich=False, width=64))  # doctest: +ELLIPSIS
+          mixprec.explain
+          #  op           ran with  result  decision  flops
+          -  -----------  --------  ------  --------  -----
+          0  dot_general  f16,f16   f16     low       2.6k
+              source: <doctest ...>:1 (<lambda>)
+              reason: allow list: lowered to float16
+          ...
         """
+        if width is None:
+            width = terminal_width(
+                use_rich=have_rich() if use_rich is None else use_rich
+            )
         rows = self._rows(max_rows)
         hidden = len(self.ops) - len(rows)
         caption = self.summary()
@@ -246,7 +282,10 @@ class PrecisionReport:
             width=width,
             styles=styles,
             caption=caption,
+            wrap=self._WRAP,
+            shrink=self._SHRINK,
         )
+        text += "\n" + textwrap.fill(self._LEGEND, max(width, 40))
         if self.float8 is not None:
             text += "\n" + self.float8_summary()
         if self.alignment:
@@ -260,11 +299,16 @@ class PrecisionReport:
         return self.table(use_rich=False)
 
     def __rich__(self) -> Any:
+        columns, rows = drop_empty_columns(
+            self._COLUMNS, self._rows(None), {*self._WRAP, *self._SHRINK}
+        )
         return rich_table(
             "mixprec.explain",
-            self._COLUMNS,
-            self._rows(None),
-            caption=self.summary(),
+            columns,
+            rows,
+            caption=self.summary() + "\n" + self._LEGEND,
+            wrap=self._WRAP,
+            shrink=self._SHRINK,
         )
 
     def to_dict(self) -> dict[str, Any]:
