@@ -618,3 +618,224 @@ def test_whole_step_fuses_partial_and_stacked_gradients(case, monkeypatch):
     want = grad(*args)
     assert jax.tree.map(lambda g: g.dtype, got) == jax.tree.map(lambda g: g.dtype, want)
     assert_trees_close(got, want, dtype=jnp.bfloat16, grad=True)
+
+
+# ------------------------------- scopes inside an attention: one decision each
+
+
+def _scoped(where, scope):
+    """``plain`` with ``scope()`` around the scores matmul or the values one."""
+
+    def fn(q, k, v):
+        inner = scope() if where == "scores" else contextlib.nullcontext()
+        with inner:
+            s = jnp.einsum("bthd,bshd->bhts", q, k) * 0.125
+        p = jax.nn.softmax(s, axis=-1)
+        inner = scope() if where == "values" else contextlib.nullcontext()
+        with inner:
+            return jnp.einsum("bhts,bshd->bthd", p, v)
+
+    return fn
+
+
+def _unrecognised(monkeypatch, fn, policy, *args):
+    with monkeypatch.context() as m:
+        m.setattr(attention, "find", lambda *a, **k: {})
+        return jax.jit(mixprec.autocast(lambda *a: fn(*a), policy))(*args)
+
+
+_SCOPES = {
+    "float32": mixprec.float32_scope,
+    "other_policy": None,  # the other 16-bit policy, filled in per test
+}
+
+
+@pytest.mark.parametrize("low", ["bfloat16", "float16"])
+@pytest.mark.parametrize("where", ["scores", "values"])
+@pytest.mark.parametrize("kind", sorted(_SCOPES))
+def test_a_scope_around_one_matmul_of_an_attention_is_kept(
+    kind, where, low, monkeypatch
+):
+    # A fusion's decision is those of every equation it replaces, each in its
+    # own region: one matmul under float32_scope, or under a policy of the
+    # other 16-bit dtype, keeps the attention unfused, on every platform, and
+    # the program gives what it gives with recognition off, bit for bit.
+    monkeypatch.setattr(
+        _compat.cudnn_attention_module(), "check_cudnn_version", lambda: 91000
+    )
+    policy = f"mixed_{low}"
+    other = "mixed_float16" if low == "bfloat16" else "mixed_bfloat16"
+    scope = _SCOPES[kind] or (lambda: mixprec.precision_scope(other))
+    fn = _scoped(where, scope)
+    q, k, v = _qkv()
+    if kind == "float32" and where == "values":
+        v = v * 5e4  # ·v beyond float16's range: only float32 holds it
+    report = mixprec.explain(fn, q, k, v, policy=policy)
+    assert not [op for op in report.ops if op.primitive == "dot_product_attention"]
+    dots = [op.dtype for op in report.ops if op.primitive == "dot_general"]
+    # (float32_scope: as written, no dtype of its own.)
+    scoped = None if kind == "float32" else other.removeprefix("mixed_")
+    assert dots == ([scoped, low] if where == "scores" else [low, scoped])
+    got = jax.jit(mixprec.autocast(lambda *a: fn(*a), policy))(q, k, v)
+    want = _unrecognised(monkeypatch, fn, policy, q, k, v)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert bool(jnp.all(jnp.isfinite(got)))
+    ref = fn(q, k, v)
+    assert_trees_close(
+        got,
+        ref,
+        dtype=jnp.bfloat16 if "bfloat16" in (low, scoped) else jnp.float16,
+    )
+    # A whole step too: neither pass fused, the gradients those of recognition off.
+    grad = jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v) * v), argnums=(0, 1, 2))
+    assert not _attention_entries(grad, q, k, v, policy=policy)
+    got_g = jax.jit(mixprec.autocast(lambda *a: grad(*a), policy))(q, k, v)
+    want_g = _unrecognised(monkeypatch, grad, policy, q, k, v)
+    for a, b in zip(got_g, want_g, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # The cuda export runs no fused kernel.
+    f = mixprec.autocast(lambda *a: fn(*a), policy)
+    assert "__cudnn$fmha" not in _cuda_text(f, q, k, v)
+
+
+@pytest.mark.parametrize("low", ["bfloat16", "float16"])
+def test_an_attention_inside_one_scope_is_fused_in_the_scope_dtype(low, monkeypatch):
+    # Both matmuls under a policy of the other 16-bit dtype: fused, in it.
+    monkeypatch.setattr(
+        _compat.cudnn_attention_module(), "check_cudnn_version", lambda: 91000
+    )
+    other = "float16" if low == "bfloat16" else "bfloat16"
+
+    def fn(q, k, v):
+        with mixprec.precision_scope(f"mixed_{other}"):
+            return plain(q, k, v)
+
+    q, k, v = _qkv()
+    (op,) = _fused(fn, q, k, v, policy=f"mixed_{low}")
+    assert op.dtype == other
+    text = _cuda_text(mixprec.autocast(fn, f"mixed_{low}"), q, k, v)
+    sig = re.search(r"custom_call @__cudnn\$fmhaSoftmax\(.* : \(([^)]*)\) ->", text)
+    assert sig is not None
+    assert ("bf16" if other == "bfloat16" else "f16") in sig.group(1)
+
+
+def test_diagnose_advice_around_the_values_matmul_is_what_runs(monkeypatch):
+    # The advice `diagnose` verifies (float32_scope around ·v) applied as
+    # written: autocast runs it, fused attention or not, with no inf.
+    q, k, v = _qkv()
+    v = v * 5e4
+    fn = _scoped("values", mixprec.float32_scope)
+    got = jax.jit(mixprec.autocast(fn, "mixed_float16"))(q, k, v)
+    assert bool(jnp.all(jnp.isfinite(got)))
+    assert_trees_close(got, fn(q, k, v), dtype=jnp.float16)
+    unscoped = jax.jit(mixprec.autocast(plain, "mixed_float16"))(q, k, v)
+    assert not bool(jnp.all(jnp.isfinite(unscoped)))  # what the scope fixes
+
+
+# ------------------------------------ mask biases, whatever their origin
+
+
+def _padded_bias(origin):
+    """A padding mask bias for batch row 1 fully padded, built as people do:
+    ``(1 - mask) * finfo(float32).min``; ``origin`` says where."""
+    mask = np.ones((B, T), np.float32)
+    mask[1] = 0.0
+    if origin == "argument":
+        bias = jnp.asarray((1 - mask) * np.finfo(np.float32).min)[:, None, None, :]
+        return (lambda s, extra: s + extra), (bias,)
+    if origin == "computed":  # from an argument inside the function
+        return (
+            lambda s, m: s + ((1.0 - m) * jnp.finfo(jnp.float32).min)[:, None, None, :],
+            (jnp.asarray(mask),),
+        )
+    const = jnp.asarray((1 - mask) * np.finfo(np.float32).min)[:, None, None, :]
+    return (lambda s, _: s + const), (jnp.zeros(()),)
+
+
+@pytest.mark.parametrize("low", ["bfloat16", "float16"])
+@pytest.mark.parametrize("origin", ["argument", "computed", "constant"])
+@pytest.mark.parametrize("formulation", ["cpu", "cuda_pinned"])
+def test_a_mask_bias_stays_finite_whatever_its_origin(
+    origin, low, formulation, monkeypatch
+):
+    # A fully padded example (all keys masked): float32 gives finite, uniform
+    # weights. Cast down, a bias beyond the low range saturates (constant,
+    # argument or computed), in the ops one by one and in the fused bias.
+    if formulation == "cuda_pinned":
+        monkeypatch.setattr(attention_rule, "_IMPLEMENTATION", "xla")
+        _pin_cuda_attention(monkeypatch)
+    add_bias, extra = _padded_bias(origin)
+
+    def attn(q, k, v, *extra):
+        s = add_bias(jnp.einsum("bthd,bshd->bhts", q, k) / 8.0, *extra)
+        return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, axis=-1), v)
+
+    q, k, v = _qkv()
+    policy = f"mixed_{low}"
+    f = mixprec.autocast(lambda *a: attn(*a), policy)
+    got = jax.jit(f)(q, k, v, *extra)
+    ref = attn(q, k, v, *extra)
+    assert bool(jnp.all(jnp.isfinite(ref)))
+    assert bool(jnp.all(jnp.isfinite(got))), int(jnp.sum(~jnp.isfinite(got)))
+    assert_trees_close(got, ref, dtype=low)
+
+    if formulation == "cuda_pinned" and low == "float16":
+        return  # (XLA's float16 attention derivative has GEMMs XLA:CPU refuses)
+
+    # The gradient of a loss over the real tokens only (loss-only wrap and
+    # whole step).
+    def loss(attn, q, k, v, *extra):
+        return jnp.sum(attn(q, k, v, *extra)[0].astype(jnp.float32) ** 2)
+
+    g_ref = jax.grad(ft.partial(loss, attn), argnums=(0, 1, 2))(q, k, v, *extra)
+    g = jax.grad(ft.partial(loss, f), argnums=(0, 1, 2))(q, k, v, *extra)
+    assert all(bool(jnp.all(jnp.isfinite(x))) for x in g)
+    assert_trees_close(g, g_ref, dtype=low, grad=True)
+    whole = jax.grad(ft.partial(loss, attn), argnums=(0, 1, 2))
+    with jax.numpy_dtype_promotion("standard"):
+        g_whole = jax.jit(mixprec.autocast(whole, policy))(q, k, v, *extra)
+    assert all(bool(jnp.all(jnp.isfinite(x))) for x in g_whole)
+    assert_trees_close(g_whole, g_ref, dtype=low, grad=True)
+
+
+@pytest.mark.parametrize("low", ["bfloat16", "float16"])
+def test_a_bias_in_range_is_kept_bit_for_bit(low, monkeypatch):
+    # The saturation changes values beyond the low range only: a bias
+    # parameter (and its gradient) comes out as without it, bit for bit.
+    from mixprec._src.autocast import operands
+
+    x = jax.random.normal(jax.random.key(0), (8, 16))
+    w = jax.random.normal(jax.random.key(1), (16, 16))
+    b = jnp.linspace(-3.0, 3.0, 16)[None, :]
+
+    def loss(w, b, x):
+        return jnp.sum(jnp.tanh(jnp.tanh(x @ w) + b) ** 2)
+
+    def run():
+        grad = jax.value_and_grad(loss, argnums=(0, 1))
+        return jax.jit(mixprec.autocast(lambda *a: grad(*a), f"mixed_{low}"))(w, b, x)
+
+    report = mixprec.explain(loss, w, b, x, policy=f"mixed_{low}")
+    assert any("mask bias" in op.reason for op in report.ops)  # it is there
+    got = run()
+    monkeypatch.setattr(operands, "_saturate_mask", lambda walk, eqn, v, x, d: x)
+    want = run()
+    for a, r in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert a.dtype == r.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(r))
+
+
+@pytest.mark.parametrize("low", ["bfloat16", "float16"])
+def test_saturate_mask_keeps_a_mask_finite_with_room_for_a_score(low):
+    from mixprec._src.autocast.operands import saturate_mask
+
+    big = float(jnp.finfo(low).max)
+    x = jnp.array([np.finfo(np.float32).min, -1e9, -np.inf, np.inf, -3.0, np.nan])
+    got = np.asarray(saturate_mask(x, low))
+    assert saturate_mask(x, low).dtype == jnp.float32
+    beyond = -big / 2 if low == "float16" else -1e9  # -1e9 fits bfloat16
+    np.testing.assert_array_equal(got[:5], [-big / 2, beyond, -big / 2, big / 2, -3.0])
+    assert np.isnan(got[5])
+    # Cast down, a score within range added to it does not overflow.
+    score = jnp.asarray(-big / 2, low)
+    assert bool(jnp.all(jnp.isfinite(jnp.asarray(got[:4]).astype(low) + score)))

@@ -299,7 +299,7 @@ def test_cuda_export_saturates_the_bias_before_cudnn(policy, monkeypatch):
     calls = re.findall(r"custom_call @(__cudnn\$fmha\w+)", text)
     assert calls == ["__cudnn$fmhaScaleBiasSoftmax"], calls
     assert "stablehlo.dot_general" not in text
-    # The bias is clipped to the low dtype's finite range before its cast:
+    # The bias is saturated for the low dtype before its cast:
     # finfo(float32).min would otherwise become -inf.
     assert _clips_to(text, POLICIES[policy]), "no saturation before the kernel"
     # The whole step: the kernel's backward takes the same saturated bias.
@@ -311,8 +311,9 @@ def test_cuda_export_saturates_the_bias_before_cudnn(policy, monkeypatch):
 
 
 def _clips_to(text, low):
-    """The module clips a float32 value to ``low``'s finite range (its
-    largest value as a float32 constant, a maximum and a minimum)."""
+    """The module saturates a float32 mask bias for ``low``
+    (``operands.saturate_mask``): values beyond ``low``'s largest value (a
+    float32 constant it is compared with) become half of it (another)."""
     big = float(jnp.finfo(low).max)
     consts = [
         float(c)
@@ -321,7 +322,8 @@ def _clips_to(text, low):
         )
     ]
     bound = any(np.isclose(abs(c), big, rtol=1e-6) for c in consts)
-    return bound and "stablehlo.maximum" in text and "stablehlo.minimum" in text
+    half = any(np.isclose(abs(c), big / 2, rtol=1e-6) for c in consts)
+    return bound and half and "stablehlo.select" in text and "stablehlo.compare" in text
 
 
 # ------------------------------------------------- constants in call bodies

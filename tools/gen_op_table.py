@@ -52,11 +52,15 @@ _FLAGS = {
     ops.KEEPS_MAGNITUDE: "keeps magnitude: the result is as large as its largest "
     "operand, so a value it makes from a constant the low dtype cannot hold (a "
     "mask bias) is treated as that constant",
+    ops.ADDITIVE: "additive: in a forward pass, a bias it broadcasts into a 16-bit "
+    "result with values beyond the low range is a mask bias, whatever its origin: "
+    "those values become half the low dtype's largest value (finite, no overflow "
+    "when a score is added); values in range are kept",
     ops.CROSS_DEVICE_SUM: "cross-device sum: a sum across devices; runs in the "
     "policy's `reduce_dtype`",
     ops.FUSION: "fusion: the op a rewrite pass put in place of several (a written-out "
-    "attention); fused where every op it replaces would run in the low dtype, else "
-    "run as those ops",
+    "attention); fused where every op it replaces, each decided in its own scope, "
+    "would run in the same 16-bit dtype, else run as those ops",
 }
 
 

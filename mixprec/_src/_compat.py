@@ -560,6 +560,23 @@ def eqn_name_stack(source_info: Any) -> str:
     return str(source_info.name_stack)
 
 
+def common_source_info(infos: Sequence[Any]) -> Any:
+    """The first of ``infos`` with the name stack they all share (the longest
+    common prefix of their stacks): the source of one equation that stands for
+    several, in the scopes (and transformations) all of them are in, none that
+    only some are in. ``infos`` must not be empty."""
+    first = infos[0]
+    stacks = [getattr(si.name_stack, "stack", None) for si in infos]
+    if any(st is None for st in stacks):
+        return first
+    n = 0
+    while all(len(st) > n and st[n] == stacks[0][n] for st in stacks):
+        n += 1
+    if n == len(stacks[0]) and all(len(st) == n for st in stacks):
+        return first
+    return first.replace(name_stack=first.name_stack[:n])
+
+
 def eqn_transformed_by(source_info: Any, transform: str) -> bool:
     """Whether an eqn was traced under the named transformation
     (``"transpose"``: JAX's transposition emitted it); see

@@ -99,3 +99,70 @@ def gpt_left_padded_hf_bias():
         step=step,
         update=update,
     )
+
+
+def _block_bias_argument(p, x, bias, heads, fused):
+    b, t, d = x.shape
+    h = _layer_norm(x, p["ln"]["g"], p["ln"]["b"])
+    q, k, v = jnp.split(h @ p["qkv"], 3, axis=-1)
+    q, k, v = (a.reshape(b, t, heads, d // heads) for a in (q, k, v))
+    if fused:  # the bias as `jax.nn.dot_product_attention` takes it
+        y = jax.nn.dot_product_attention(q, k, v, bias=bias)
+    else:
+        scale = np.float32(1 / np.sqrt(d // heads))
+        scores = jnp.einsum("bthd,bshd->bhts", q, k) * scale + bias
+        y = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(scores, axis=-1), v)
+    x = x + y.reshape(b, t, d) @ p["proj"]
+    return x + jax.nn.gelu(x @ p["fc"], approximate=True) @ p["fc_out"]
+
+
+def _bias_argument_program(seed, fused):
+    b, t, d, heads, vocab = 3, 8, 16, 2, 11
+    params = _init(seed, d, 2, vocab)
+    rng = np.random.default_rng(seed + 1)
+    tokens = jnp.asarray(rng.integers(0, vocab, (b, t)), jnp.int32)
+    # Right padding, one example all padding (an empty slot of the batch).
+    lengths = np.array([8, 3, 0])
+    valid = np.arange(t)[None, :] < lengths[:, None]
+    # The data pipeline builds the additive bias outside the model, as Hugging
+    # Face's Flax models and `dot_product_attention(bias=...)` callers do.
+    causal = np.tril(np.ones((t, t), bool))[None, None]
+    keep = causal & valid[:, None, None, :]
+    bias = jnp.asarray((1.0 - keep) * np.finfo(np.float32).min, jnp.float32)
+    labels = jnp.roll(tokens, -1, axis=1)
+    valid = jnp.asarray(valid)
+
+    def loss(params, tokens, labels, valid, bias):
+        x = params["embed"][tokens]
+        for p in params["blocks"]:
+            x = _block_bias_argument(p, x, bias, heads, fused)
+        logits = x @ params["head"]
+        xent = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+        return masked_mean(xent, valid)
+
+    # SGD with momentum: its update is linear in the gradient, so the state
+    # after a step is as close to float32's as the gradient is (Adam's first
+    # step is lr * sign(g): a float32 gradient of 7e-6 against a largest of
+    # 0.3, whose sign float16 rounding may flip, moves its weight by 2 lr).
+    optimizer = optax.sgd(0.1, momentum=0.9)
+    step, update = _optax_step(loss, optimizer)
+    return Instance(
+        params,
+        (tokens, labels, valid, bias),
+        loss,
+        train_state=(params, jax.jit(optimizer.init)(params)),
+        step=step,
+        update=update,
+    )
+
+
+@program("step")
+def gpt_padded_bias_argument():
+    """2-layer GPT, an all-padding example, (1 - mask) * finfo.min bias argument."""
+    return _bias_argument_program(160, fused=False)
+
+
+@program("step")
+def dpa_padded_bias_argument():
+    """2-layer GPT, dot_product_attention(bias=...) with a finfo.min bias argument."""
+    return _bias_argument_program(170, fused=True)

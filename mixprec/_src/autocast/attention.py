@@ -916,7 +916,9 @@ def rewrite(
             ATTENTION_P,
             {"part": "forward", "fusion": m, "flops": flops},
             set(),
-            eqns[m.first].source_info,
+            # In the scopes every equation it replaces is in: each of them
+            # is decided in its own (`decide.decide_fusion`).
+            _compat.common_source_info([eqns[i].source_info for i in sorted(m.region)]),
         )
         drop |= m.region
         if bwd is not None:
@@ -1141,7 +1143,6 @@ def _prove(
     transposed = region & jaxprs.backward_eqns(jaxpr)
     if not transposed:
         return None
-    first = min(transposed)
     ops = [m.inputs[m.q[0]], m.inputs[m.k[0]], m.inputs[m.v[0]]]
     record = new_jaxpr_eqn(
         [ct, *ops],
@@ -1149,7 +1150,9 @@ def _prove(
         ATTENTION_P,
         {"flops": 2 * m.eqn.params["flops"]},
         set(),
-        jaxpr.eqns[first].source_info,
+        _compat.common_source_info(
+            [jaxpr.eqns[i].source_info for i in sorted(transposed)]
+        ),
     )
     full: list[Any] = [None, None, None]
     for j, pos in enumerate(diff):

@@ -636,6 +636,11 @@ class Region(Protocol):
         whose value is known, or ``None``."""
         ...
 
+    def for_eqn(self, eqn: JaxprEqn) -> Region:
+        """Where ``eqn`` is, from here: in its own region (``float32_scope``,
+        ``precision_scope``, a nested autocast) and pass."""
+        ...
+
 
 def misfit(magnitudes: tuple[float, float], low: np.dtype) -> str | None:
     """Why a constant with these ``(largest finite, smallest non-zero)``
@@ -1109,41 +1114,52 @@ def decide_fusion(
     and in which dtype; :data:`HIGHER_ORDER` where it does not: its ops then
     run in its place, each decided on its own.
 
-    A fusion is decided from the ops it replaces: it is fused where each of
-    its products (its matmuls) would run in the low dtype here (so not under
-    ``float32_scope``, ``force_fp32``, a product asking for ``HIGHEST``
-    precision or a mix list that keeps ``dot_general`` out of the allow
-    list), the mode is a mixed one (``allow_mix_precision``), the policy has
-    a 16-bit low dtype and no float8 recipe (whose
-    products have their own formulation), its floating operands are float32
-    or that dtype, and its own entry is in the allow list. Its softmax runs
-    in float32 inside the kernel. The backward pass of a fused attention
-    is fused where its forward pass was.
+    A fusion's decision is the decisions of the equations it replaces, each
+    made where that equation is (its own ``float32_scope``,
+    ``precision_scope`` or nested autocast; the fused equation itself sits in
+    the scopes all of them share): it is fused where each of its products
+    (its matmuls) would run in the low dtype, the same 16-bit dtype for all
+    of them (so not where one is under ``float32_scope``, ``force_fp32``, a
+    policy of another low dtype, a product asking for ``HIGHEST`` precision
+    or a mix list that keeps ``dot_general`` out of the allow list), the mode
+    is a mixed one (``allow_mix_precision``), the policy has no float8 recipe
+    (whose products have their own formulation), its floating operands are
+    float32 or that dtype, and its own entry is in the allow list. It is then
+    fused in that dtype. Its softmax runs in float32 inside the kernel. The
+    backward pass of a fused attention is fused where its forward pass was,
+    in the same dtype.
     """
     cfg = region.config
-    low = np.dtype(cfg.low_dtype)
     fusion = eqn.params["fusion"]
     if eqn.params["part"] == "backward":
-        if fusion not in region.facts.fused:
+        forward = region.facts.fused.get(fusion)
+        if forward is None:
             return HIGHER_ORDER
-        return _fused(fusion, low, "attention's gradient")
+        return _fused(fusion, forward[2], "attention's gradient")
     if (
         region.composite
         or cfg.mode not in ("allow_mix_precision", "allow_mix_precision_bf16")
-        or low not in _HALF
         or cfg.policy.float8 is not None
         or cfg.lists.classify(spec.name) != "allow"
-        or any(d is not None and d not in (_F32, low) for d in map(float_dtype, invals))
     ):
         return HIGHER_ORDER
+    lows = set()
     for inner in fusion.eqns:
         inner_spec = ops.spec_for(inner.primitive.name)
         if inner_spec is None or inner_spec.product is None:
             continue
         avals = [v.aval for v in inner.invars]
-        d = decide_eqn(region, inner, inner_spec, avals, [0] * len(avals))
-        if d.precision is not Precision.LOW or d.dtype != low:
+        d = decide_eqn(
+            region.for_eqn(inner), inner, inner_spec, avals, [0] * len(avals)
+        )
+        if d.precision is not Precision.LOW or d.dtype not in _HALF:
             return HIGHER_ORDER
+        lows.add(np.dtype(d.dtype))
+    if len(lows) != 1:
+        return HIGHER_ORDER
+    (low,) = lows
+    if any(d is not None and d not in (_F32, low) for d in map(float_dtype, invals)):
+        return HIGHER_ORDER
     return _fused(fusion, low, "attention")
 
 

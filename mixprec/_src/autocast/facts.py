@@ -15,7 +15,8 @@ it:
   ran in (a backward product that keeps it computes the other's gradient);
 * ``wide``: float32 products of CPU dots, for a bias add that follows;
 * ``casts``: inputs rounded once for every product that reads them;
-* ``fused``: what a fused op's forward pass left for its backward pass.
+* ``fused``: what a fused op's forward pass left for its backward pass
+  (its residuals, and the dtype it ran in).
 
 Examples:
     >>> import numpy as np
@@ -81,6 +82,19 @@ class Facts:
         self.values: dict[Any, Any] = {}
         self.casts: dict[tuple[int, Any], tuple[Any, Any]] = {}
         self.fused: dict[Any, Any] = {}
+
+    def of_constants(self) -> Facts:
+        """New facts that know what these know of constants (their values and
+        ranges) and producers, and nothing of traced values: for a
+        formulation of a fused op traced on its own (a platform branch), whose
+        equations are decided as they are in place (a known constant beyond
+        the low range keeps its add in float32 there too)."""
+        new = Facts()
+        new.scalars = dict(self.scalars)
+        new.ranges = dict(self.ranges)
+        new.values = dict(self.values)
+        new.producers = dict(self.producers)
+        return new
 
     def constant_range(self, var: Any) -> tuple[float, float] | None:
         """``(largest finite, smallest non-zero)`` magnitude of a constant

@@ -31,7 +31,7 @@ from jax.extend.core import ClosedJaxpr, JaxprEqn, Literal
 from mixprec._src import _compat
 from mixprec._src.autocast import jaxprs, ops
 from mixprec._src.autocast.avals import aval_dtype, aval_shape, float_dtype, same_shape
-from mixprec._src.autocast.decide import BIG, CONST, Decision, Precision
+from mixprec._src.autocast.decide import BIG, CONST, Decision, Precision, follows
 
 
 if TYPE_CHECKING:
@@ -46,6 +46,7 @@ __all__ = [
     "default_rule",
     "ran_with",
     "run_own",
+    "saturate_mask",
 ]
 
 _F32 = np.dtype(np.float32)
@@ -61,6 +62,27 @@ def clip_to_range(x: Any, dtype: Any) -> Any:
             arr.dtype
         )
     return jnp.where(jnp.isinf(x), x, jnp.clip(x, -big, big))
+
+
+def saturate_mask(x: Any, dtype: Any) -> Any:
+    """``x`` (same dtype) with values beyond ``dtype``'s range replaced by
+    half ``dtype``'s largest value, with their sign: a mask bias
+    (``finfo(float32).min``, ``-1e9``, ``-inf``) cast down to ``dtype`` stays
+    finite, weighs 0 in a softmax, and a score within range added to it does
+    not overflow. Values within range (NaN too) are kept as they are.
+
+    Examples:
+        >>> import numpy as np
+        >>> saturate_mask(np.float32([-3e38, -7.0, np.inf]), np.float16).tolist()
+        [-32752.0, -7.0, 32752.0]
+    """
+    big = float(jnp.finfo(dtype).max)
+    half = big / 2
+    if isinstance(x, np.ndarray | np.generic | float):
+        arr = np.asarray(x)
+        out = np.where(arr > big, half, np.where(arr < -big, -half, arr))
+        return out.astype(arr.dtype)
+    return jnp.where(x > big, half, jnp.where(x < -big, -half, x)).astype(x.dtype)
 
 
 def cast(x: Any, dtype: Any, *, saturate: bool = False) -> Any:
@@ -115,9 +137,26 @@ def cast_operands(ctx: CastContext, invals: Sequence[Any]) -> list[Any]:
     spec = ops.spec_for(eqn.primitive.name)
     elementwise = spec is not None and ops.BROADCASTS in spec.flags
     fill = spec is not None and ops.FILL in spec.flags
+    # The dtype the result is rounded to (a bias add fused into a CPU dot's
+    # float32 product adds in float32 and rounds once).
+    result = np.dtype(d.out_dtype) if d.out_dtype is not None else np.dtype(target)
+    masks = (
+        spec is not None
+        and ops.ADDITIVE in spec.flags
+        and not ctx.walk.backward
+        and result.itemsize < 4
+    )
     out = []
     for x, v, m in zip(invals, eqn.invars, ctx.marks, strict=True):
         dt = float_dtype(x)
+        if (
+            masks
+            and dt is not None
+            and dt.itemsize > result.itemsize
+            and follows(v, m, out_shape)
+        ):
+            # A bias beyond the low range is a mask bias, whatever its origin.
+            x = _saturate_mask(ctx.walk, eqn, v, x, result)
         if dt is None or dt == target:
             out.append(x)
             continue
@@ -163,6 +202,35 @@ def _saturate_constant(
     )
     own = _saturation(tuple(np.shape(x)), np.dtype(x.dtype), big)
     return run_own(walk, eqn, own, x, reason=reason)
+
+
+def _saturate_mask(walk: Walk, eqn: JaxprEqn, var: Any, x: Any, dtype: np.dtype) -> Any:
+    """A bias about to be added to a result in ``dtype``, through
+    :func:`saturate_mask` (in the program, reported to the observer) unless
+    its values are known to fit."""
+    big = float(jnp.finfo(dtype).max)
+    if isinstance(x, np.ndarray | np.generic | float):
+        return saturate_mask(x, dtype)
+    fits = walk.facts.ranges.get(var)
+    if fits is not None and fits[0] <= big:
+        return x
+    reason = (
+        f"autocast's own: a bias beyond {dtype}'s range is a mask bias "
+        f"(finfo(float32).min, -1e9): it becomes ±{big / 2:.5g}, half {dtype}'s "
+        "largest value, so that it neither rounds to -inf nor overflows when a "
+        "score is added; values in range are kept"
+    )
+    own = _mask_saturation(tuple(np.shape(x)), np.dtype(x.dtype), np.dtype(dtype))
+    return run_own(walk, eqn, own, x, reason=reason)
+
+
+@ft.lru_cache(maxsize=256)
+def _mask_saturation(
+    shape: tuple[int, ...], dtype: np.dtype, low: np.dtype
+) -> ClosedJaxpr:
+    return jax.make_jaxpr(ft.partial(saturate_mask, dtype=low))(
+        jax.ShapeDtypeStruct(shape, dtype)
+    )
 
 
 @ft.lru_cache(maxsize=256)

@@ -44,6 +44,15 @@ Flags:
   down, such a constant saturates to the low dtype's finite range, which keeps
   the result. Any other op with a constant the low dtype cannot hold (beyond
   its largest value, or so small it becomes 0) runs in float32.
+* :data:`ADDITIVE`: adds its operands (``add``, ``sub``). In a forward pass,
+  an operand it broadcasts into a 16-bit result (a bias) that holds values
+  beyond the low dtype's range is a mask bias (``finfo(float32).min``,
+  ``-1e9``, whatever its origin: an argument, or computed from one): those
+  values become half the low dtype's largest value, with their sign
+  (:func:`~mixprec._src.autocast.operands.saturate_mask`), so that they do not
+  round to ``-inf`` and adding a score to them cannot overflow; values in
+  range are kept bit for bit. (A mask bias made from known constants keeps its
+  add in float32 instead: see :data:`KEEPS_MAGNITUDE`.)
 * :data:`KEEPS_MAGNITUDE`: the result is as large as its largest operand
   (``add``, ``sub``, ``mul``, ``max``, ``min``, ``clamp``, ``select_n``; the
   clear ops move values and keep them too): a value such an op makes from a
@@ -53,7 +62,8 @@ Flags:
   (:data:`~mixprec._src.autocast.decide.BIG`).
 * :data:`FUSION`: the op of a fusion, an equation a rewrite pass put in place
   of several (:mod:`~mixprec._src.autocast.rewrites`): fused where every op it
-  replaces would run in the low dtype, else run as those ops.
+  replaces, each decided in its own region, would run in the same 16-bit
+  dtype, else run as those ops.
 
 Matmul-like ops (``dot_general``, ``conv_general_dilated``) carry a
 :class:`Product` in their entry: their dimensions (for float8's skip rules,
@@ -91,6 +101,7 @@ from mixprec._src.autocast import dots, float8_dots
 
 
 __all__ = [
+    "ADDITIVE",
     "BROADCASTS",
     "EPILOGUE",
     "FILL",
@@ -127,6 +138,7 @@ STATISTIC: Final = "statistic"
 EPILOGUE: Final = "epilogue"
 FILL: Final = "fill"
 KEEPS_MAGNITUDE: Final = "keeps_magnitude"
+ADDITIVE: Final = "additive"
 #: A sum across devices: it runs in the policy's ``reduce_dtype``.
 CROSS_DEVICE_SUM: Final = "cross_device_sum"
 #: A fusion: an op a rewrite pass made of several (a written-out attention),
@@ -145,6 +157,7 @@ FLAGS: Final = frozenset(
         EPILOGUE,
         FILL,
         KEEPS_MAGNITUDE,
+        ADDITIVE,
         CROSS_DEVICE_SUM,
         FUSION,
     }
@@ -1033,7 +1046,7 @@ add_flags(
     ],
     STATISTIC,
 )
-add_flags(["add", "sub"], EPILOGUE)
+add_flags(["add", "sub"], EPILOGUE, ADDITIVE)
 add_flags(["select_n", "max", "min", "clamp"], FILL)
 add_flags(
     ["add", "add_any", "sub", "mul", "max", "min", "clamp", "select_n"],

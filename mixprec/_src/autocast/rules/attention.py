@@ -48,8 +48,8 @@ from mixprec._src.autocast.attention import (
 )
 from mixprec._src.autocast.avals import aval_shape
 from mixprec._src.autocast.decide import HIGHER_ORDER
-from mixprec._src.autocast.facts import Facts
 from mixprec._src.autocast.interpreter import CastContext
+from mixprec._src.autocast.operands import saturate_mask
 from mixprec._src.autocast.platforms import per_platform
 
 
@@ -105,7 +105,7 @@ def fused(m: Match, values: Sequence[Any], low: Any, out_shape: Sequence[int]) -
         q,
         k,
         v,
-        bias=None if bias is None else itp.cast(bias, low, saturate=True),
+        bias=None if bias is None else itp.cast(saturate_mask(bias, low), low),
         mask=mask,
         scale=m.scale,
         is_causal=m.causal,
@@ -157,8 +157,9 @@ def _shapes(fn: Any, values: Sequence[Any]) -> Any:
 def _formulation_walk(ctx: CastContext) -> itp.Walk:
     """The walk of a formulation's equations: no observer (the fused op is
     reported once), facts of its own (what a platform branch learns stays in
-    it)."""
-    return ctx.walk.probe().over(Facts())
+    it) that know the constants the walk knows (each equation decided as it
+    is in place: the same bits as without the rewrite)."""
+    return ctx.walk.probe().over(ctx.walk.facts.of_constants())
 
 
 def _forward(ctx: CastContext, m: Match, values: list[Any]) -> list[Any]:
@@ -220,7 +221,7 @@ def _forward(ctx: CastContext, m: Match, values: list[Any]) -> list[Any]:
     res_shapes = _shapes(residuals_of, values)
     if res_shapes is None:  # every platform runs the equations
         kept, kept_marks = unfused_values(*values)
-        ctx.walk.facts.fused[m] = (None, [])
+        ctx.walk.facts.fused[m] = (None, [], low)
         ctx.out_marks[:] = [0, *kept_marks[1:]]
         return [itp.cast(kept[0], low), *kept[1:]]
     kept_shapes = jax.eval_shape(kept_of, *values)
@@ -241,7 +242,7 @@ def _forward(ctx: CastContext, m: Match, values: list[Any]) -> list[Any]:
         tuple(values), platform=platform, default=unfused_fwd, cuda=cudnn_fwd
     )
     n = len(m.outvars)
-    ctx.walk.facts.fused[m] = (res_tree, list(outs[n:]))
+    ctx.walk.facts.fused[m] = (res_tree, list(outs[n:]), low)
     ctx.out_marks[:] = [0, *kept_marks[1:]]
     return list(outs[:n])
 
@@ -251,7 +252,7 @@ def _backward(ctx: CastContext, m: Match, reads: list[Any]) -> list[Any]:
     derivative, elsewhere its equations one by one."""
     bwd = m.backward
     assert bwd is not None
-    res_tree, residuals = ctx.walk.facts.fused[m]
+    res_tree, residuals, _ = ctx.walk.facts.fused[m]
     low = np.dtype(ctx.decision.dtype)
     plain = _formulation_walk(ctx)
     read_marks = list(ctx.marks)
