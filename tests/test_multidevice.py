@@ -572,3 +572,103 @@ def test_shard_map_psum_follows_the_reduce_dtype(mesh, policy, reduce):
     assert_trees_close(
         upd, ref_upd, dtype=jnp.dtype(policy.removeprefix("mixed_")), grad=True
     )
+
+
+# --- One process, two meshes ------------------------------------------------------
+
+_MESH_POLICIES = ["mixed_bfloat16", "mixed_float16"]
+
+
+def _tp_mesh():
+    auto = jax.sharding.AxisType.Auto
+    return jax.make_mesh((2, 4), ("data", "model"), axis_types=(auto, auto))
+
+
+def _mlp_ref_loss(p, x):
+    return jnp.mean(jnp.tanh(x @ p["w1"]) @ p["w2"] ** 2) * 0.5
+
+
+def _tp_mlp_loss(p, x):
+    # Column-parallel w1, row-parallel w2 (one psum over "model"), the batch
+    # over "data"; its scalar ops (`* 0.5`) are those of the 8-device program.
+    partial = jnp.tanh(x @ p["w1"]) @ p["w2"] ** 2
+    local = jnp.mean(jax.lax.psum(partial, "model"))
+    return jax.lax.pmean(local, "data") * 0.5
+
+
+@pytest.mark.parametrize("policy", _MESH_POLICIES)
+def test_autocast_grad_of_shard_map_on_a_second_mesh(mesh, policy, monkeypatch):
+    # A program on the (8,) mesh, then a tensor-parallel one on a (2, 4) mesh,
+    # both differentiated under autocast in one process: the second must not
+    # reuse what the first traced on its mesh (an inline jit of `mul` by the
+    # literal 0.5, typed on the (8,) mesh: "context mesh ... should match the
+    # aval mesh").
+    from mixprec._src import _compat
+
+    monkeypatch.setattr(_compat, "_CALLS", {})
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    w = jax.random.normal(k1, (16, 16)) * 0.3
+    x = jax.random.normal(k2, (64, 16))
+
+    def dp_loss(w, x):
+        return jax.lax.pmean(jnp.mean(jnp.tanh(x @ w) ** 2), "data") * 0.5
+
+    dp = jax.shard_map(dp_loss, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
+    loss8, g8 = jax.jit(jax.value_and_grad(mixprec.autocast(dp, policy)))(w, x)
+    ref8 = jax.value_and_grad(lambda w, x: jnp.mean(jnp.tanh(x @ w) ** 2) * 0.5)(w, x)
+
+    p = {
+        "w1": jax.random.normal(k3, (16, 32)) * 0.3,
+        "w2": jax.random.normal(k1, (32, 16)) * 0.3,
+    }
+    specs = {"w1": P(None, "model"), "w2": P("model", None)}
+    tp = jax.shard_map(
+        _tp_mlp_loss, mesh=_tp_mesh(), in_specs=(specs, P("data")), out_specs=P()
+    )
+    loss24, g24 = jax.jit(jax.value_and_grad(mixprec.autocast(tp, policy)))(p, x)
+    ref24 = jax.value_and_grad(_mlp_ref_loss)(p, x)
+
+    dtype = jnp.dtype(policy.removeprefix("mixed_"))
+    for (loss, grads), (ref_loss, ref_grads) in [
+        ((loss8, g8), ref8),
+        ((loss24, g24), ref24),
+    ]:
+        assert loss.dtype == jnp.float32
+        assert_trees_close(loss, ref_loss, dtype=dtype)
+        assert_trees_close(grads, ref_grads, dtype=dtype, grad=True)
+        assert {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype(jnp.float32)}
+
+
+@pytest.mark.parametrize("policy", _MESH_POLICIES)
+def test_autocast_cache_is_per_mesh(mesh, policy):
+    # A function whose arguments name no mesh (NumPy), called twice in a
+    # shard_map body (walked, then built and cached), then on another mesh:
+    # the jaxpr cached on the (8,) mesh holds its axis sizes (`axis_size`,
+    # `pmean`'s divisor) and must not be replayed on the (2, 4) mesh.
+    def g(c):
+        idx = jax.lax.axis_index("data").astype(c.dtype)
+        return c * jax.lax.axis_size("data") + jax.lax.pmean(idx, "data")
+
+    ag = mixprec.autocast(g, policy)
+    c = np.ones((), np.float32)
+
+    def body(x):
+        return x + ag(c) + ag(c)
+
+    for m, size in [(mesh, N_DEV), (_tp_mesh(), 2)]:
+        f = jax.jit(
+            jax.shard_map(body, mesh=m, in_specs=P("data"), out_specs=P("data"))
+        )
+        out = f(jnp.zeros(16))
+        np.testing.assert_array_equal(out, np.full(16, 2 * (size + (size - 1) / 2)))
+        assert out.dtype == jnp.float32
+
+
+def test_autocast_cache_is_per_vmap_axis_size():
+    # The same under vmap with a named axis: eager calls share the cached
+    # jaxpr, which must not carry the first axis size into the second.
+    ag = mixprec.autocast(lambda c: c * jax.lax.axis_size("i"), "mixed_bfloat16")
+    c = np.ones((), np.float32)
+    for size in (8, 4):
+        out = jax.vmap(lambda x: x + ag(c), axis_name="i")(jnp.zeros(size))
+        np.testing.assert_array_equal(out, np.full(size, float(size)))

@@ -22,6 +22,7 @@ from jax._src import (
     api_util as _api_util,
     config as _config_lib,
     core as _core,
+    dtypes as _dtypes,
     source_info_util as _siu_internal,
 )
 from jax._src.interpreters import ad as _ad, partial_eval as _pe
@@ -215,7 +216,15 @@ def eval_closed_jaxpr(closed: ClosedJaxpr, *args: Any) -> list[Any]:
     trace = _core.trace_ctx.trace
     if type(trace) is _pe.DynamicJaxprTrace:
         src = siu.current()
-        tracers = [trace.to_jaxpr_tracer(a, src) for a in args]
+        # (A NumPy argument becomes a constant as `bind` would make it: JAX
+        # refuses one that is not canonical.)
+        tracers = [
+            trace.to_jaxpr_tracer(
+                a if isinstance(a, _core.Tracer) else _dtypes.canonicalize_value(a),
+                src,
+            )
+            for a in args
+        ]
         out = _pe.inline_jaxpr_into_trace(
             trace, src, closed.jaxpr, closed.consts, *tracers
         )
@@ -271,10 +280,15 @@ def _transforming(operands: Sequence[Any]) -> bool:
 def call_transformed(key: Any, fn: Callable[..., Any], operands: Sequence[Any]) -> Any:
     """``fn(*operands)``; under a transformation that does not stage out (every
     operand a tracer of it), through an inline ``jit`` of ``fn`` cached under
-    ``key`` (hashable; it must name what ``fn`` computes), which the
-    transformation then handles once per operand types."""
+    ``key`` (hashable; it must name what ``fn`` computes) and the abstract mesh
+    in context, which the transformation then handles once per operand types.
+
+    The mesh is part of the key because ``fn`` is made in its context: a
+    value ``fn`` holds (a literal operand) is typed on that mesh, and JAX
+    refuses it under another one (inside a ``shard_map`` on another mesh)."""
     if not _transforming(operands):
         return fn(*operands)
+    key = (key, jax.sharding.get_abstract_mesh())
     try:
         call = _CALLS.get(key)
     except TypeError:  # a part of the key that cannot be hashed
@@ -314,9 +328,17 @@ def bind_transformed(prim: Any, operands: Sequence[Any], params: dict[str, Any])
         )
 
     bound.__name__ = bound.__qualname__ = prim.name
-    # A scalar by its type, dtype and bits (0.0 and -0.0 differ, NaN equals).
+    # A scalar by its type, dtype and bits (0.0 and -0.0 differ, NaN equals),
+    # and its JAX type where it has one (a jaxpr's literal: weak or not, and
+    # the mesh it was typed on, which `bound` binds it with).
     scalars = tuple(
-        (i, type(v), np.asarray(v).dtype.str, np.asarray(v).tobytes())
+        (
+            i,
+            type(v),
+            np.asarray(v).dtype.str,
+            np.asarray(v).tobytes(),
+            getattr(v, "aval", None),
+        )
         for i, v in fixed.items()
     )
     key = (prim, tuple(sorted(params.items())), n, scalars)

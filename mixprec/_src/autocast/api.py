@@ -127,10 +127,16 @@ def _current_region() -> str:
 
 
 def _config_key() -> tuple[Any, ...]:
+    """What a trace depends on besides the function and its arguments: the
+    configuration, and the tracing context, whose mesh and named axes (their
+    sizes: `axis_size`, the divisor of a `pmean`) a jaxpr traced inside one
+    ``shard_map`` or ``vmap`` holds; argument types alone (a NumPy argument's
+    names no mesh) would replay it inside another."""
     return (
         jax.config.jax_enable_x64,  # type: ignore[attr-defined]
         jax.config.jax_numpy_dtype_promotion,  # type: ignore[attr-defined]
         jax.config.jax_default_matmul_precision,  # type: ignore[attr-defined]
+        _compat.tracing_context(),
     )
 
 
