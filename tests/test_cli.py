@@ -7,6 +7,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -83,8 +84,8 @@ def test_numerics_help(capsys):
         (["demo", "--precision", "bfloat61"], "did you mean 'bfloat16'"),
         (["demo", "--precision", "float64"], "unknown precision 'float64'"),
         (["demo", "--workload", "mnist"], "unknown workload 'mnist'"),
-        (["demo", "--size", "huge"], "invalid choice: 'huge'"),
-        (["demo", "--mechanism", "magic"], "invalid choice: 'magic'"),
+        (["demo", "--size", "huge"], "argument --size: unknown size 'huge'"),
+        (["demo", "--mechanism", "magic"], "unknown mechanism 'magic'"),
         (["demo", "--frobnicate"], "unrecognized arguments: --frobnicate"),
         (["bench", "--repeats", "-1"], "expected a positive integer"),
         (["bench", "--mechanism", "jmp"], "unknown mechanism 'jmp'"),
@@ -142,8 +143,67 @@ def test_precision_aliases_and_lists():
     assert cli.merge(args.precision, ()) == ["float32", "mixed_float8"]
     args = cli.build_parser().parse_args(["demo", "-p", "all"])
     assert cli.merge(args.precision, ()) == list(cli.PRECISIONS)
-    with pytest.raises(SystemExit):
-        cli.build_parser().parse_args(["bench", "-p", "f8"])
+    # bench takes the same names, float8 included (run by autocast only).
+    args = cli.build_parser().parse_args(["bench", "-p", "bf16,f8"])
+    assert cli.merge(args.precision, ()) == ["mixed_bfloat16", "mixed_float8"]
+
+
+# Every choice-like flag of every subcommand: a misspelt value is a usage error
+# (status 2) that names the flag, suggests the closest valid values and lists
+# them all, in the command line's names (f8, fp16), not the library's.
+@pytest.mark.parametrize(
+    ("argv", "flag", "suggestion", "listed"),
+    [
+        (["demo", "-w", "digts"], "--workload/-w", "'digits'", "lm"),
+        (
+            ["demo", "-p", "mixed_bfloat61"],
+            "--precision/-p",
+            "'mixed_bfloat16'",
+            "mixed_float8",
+        ),
+        (["demo", "--size", "smal"], "--size", "'small'", "full"),
+        (["demo", "--mechanism", "autocats"], "--mechanism", "'autocast'", "manual"),
+        (["bench", "-w", "cnm"], "--workload/-w", "'cnn'", "mlp"),
+        (["bench", "-p", "fp61"], "--precision/-p", "'fp16'", "mixed_float8"),
+        (["bench", "-m", "flx"], "--mechanism/-m", "'flax'", "autocast"),
+        (["bench", "--size", "tin"], "--size", "'tiny'", "gpu"),
+        (
+            ["inspect", "m:f", "--policy", "mixed_bfloat61"],
+            "--policy",
+            "'mixed_bfloat16'",
+            "mixed_float8 (f8",
+        ),
+        (
+            ["diagnose", "m:f", "--policy", "fp61"],
+            "--policy",
+            "'fp16'",
+            "mixed_float16 (f16, fp16",
+        ),
+        (
+            ["inspect", "m:f", "--mode", "allow_mix_precison"],
+            "--mode",
+            "'allow_mix_precision'",
+            "force_fp32",
+        ),
+        (
+            ["diagnose", "m:f", "--mode", "force_f16"],
+            "--mode",
+            "'force_fp16'",
+            "must_keep_origin_dtype",
+        ),
+    ],
+)
+def test_a_misspelt_choice_names_the_flag_and_the_choices(
+    capsys, argv, flag, suggestion, listed
+):
+    assert cli.main(argv) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: mixprec {argv[0]} ")
+    (line,) = [x for x in err.splitlines() if x.startswith(f"mixprec {argv[0]}: ")]
+    assert line.startswith(f"mixprec {argv[0]}: error: argument {flag}: unknown ")
+    assert f"did you mean {suggestion}" in line and "choose from" in line
+    assert listed in line
+    assert "ValueError" not in line and "Unknown dtype" not in line
 
 
 def test_one_parser_dispatches_every_command():
@@ -576,6 +636,105 @@ def test_tiny_bench_on_a_simulated_gpu_runs_float16_too(monkeypatch, tmp_path, c
         "mixed_float16 (autocast)",
     ]
     meta = payload["meta"]
-    assert meta["platform"] == "gpu" and meta["timed steps per round"] == 20
+    # --size tiny is a smoke test: one timed step per round on any platform.
+    assert meta["platform"] == "gpu" and meta["timed steps per round"] == 1
     assert meta["precisions"] == "mixed_bfloat16, mixed_float16"
     assert all("device_peak_bytes" in v["memory"] for v in payload["variants"])
+
+
+@pytest.mark.standard_promotion
+def test_demo_prints_a_line_per_run_off_a_terminal_and_records_the_machine(
+    tmp_path, capsys
+):
+    # stderr captured by pytest is not a terminal: plain lines as runs happen
+    # (rich bars would appear only when their run had finished), each with the
+    # seconds since the start and, after a run, the time left.
+    out = tmp_path / "run"
+    argv = ["demo", "-w", "digits", "-p", "f32,f16", "--size", "tiny", "--steps", "3"]
+    argv += ["--seeds", "2", "--out", str(out), "--no-plot"]
+    status = cli.main(argv)
+    captured = capsys.readouterr()
+    assert status == 0, captured.err
+    lines = [x for x in captured.err.splitlines() if x.startswith("[")]
+    assert re.fullmatch(
+        r"\[ +\d+ s\] 3 runs per workload, 9 training steps .*", lines[0]
+    )
+    started = [x for x in lines if x.endswith(": 3 steps ...")]
+    done = [x for x in lines if ": done, 3 steps in " in x]
+    assert [x.split("] ")[1].split(":")[0] for x in started] == [
+        "digits float32",
+        "digits mixed_float16",
+        "digits float32 seed 1",
+    ]
+    assert len(done) == 3 and "; 3 of 9 steps done, about " in done[0]
+    assert done[-1].endswith("9 of 9 steps done, about 0 s left")
+    assert any("timing digits: 3 interleaved rounds" in x for x in lines)
+    payload = json.loads((out / "results.json").read_text())
+    meta = payload["meta"]
+    for key in (
+        "load average at start (1, 5, 15 min)",
+        "load average at end (1, 5, 15 min)",
+    ):
+        assert re.fullmatch(r"\d+\.\d\d, \d+\.\d\d, \d+\.\d\d|unknown", meta[key])
+    assert meta["device"] != "cpu: cpu" and "cores" in meta["device"]
+    assert meta["cpu flags"] and meta["cpu"]
+    f32, f16 = payload["runs"]
+    assert f32["speedup_vs_float32"] == pytest.approx(1.0)
+    assert f32["speedup_within_noise"] is False
+    assert isinstance(f16["speedup_within_noise"], bool)
+    assert len(f16["speedup_round_range"]) == 2
+    assert len(f32["seed_losses"]["1"]) == 3  # the other seed's curve, plotted
+    md = (out / "results.md").read_text()
+    assert "load average at start" in md and "load average at end" in md
+
+
+@pytest.mark.standard_promotion
+def test_tiny_bench_is_a_smoke_test_and_says_so_and_runs_float8(tmp_path, capsys):
+    out = tmp_path / "bench"
+    argv = ["bench", "--size", "tiny", "-w", "mlp", "-m", "manual,autocast"]
+    argv += ["-p", "f8", "--out", str(out)]
+    status = cli.main(argv)
+    captured = capsys.readouterr()
+    assert status == 0, captured.err
+    # The smoke warning, and progress lines with the elapsed time and an ETA.
+    assert "SMOKE TEST (--size tiny)" in captured.err
+    assert "are not measurements" in captured.err
+    assert re.search(
+        r"\[ +\d+ s\] compiling mlp: float32 \(1 of 2\) \.\.\.", captured.err
+    )
+    assert "(2 of 2, about " in captured.err
+    payload = json.loads((out / "bench.json").read_text())
+    assert payload["smoke"] is True
+    labels = [v["label"] for v in payload["variants"]]
+    assert labels == ["float32", "mixed_float8 (autocast)"]  # float8: autocast only
+    assert "mixed_float8 with manual: float8 matmuls need" in payload["meta"]["not run"]
+    meta = payload["meta"]
+    assert meta["repeats"] == 2 and meta["timed steps per round"] == 1
+    assert "load average at start (1, 5, 15 min)" in meta
+    assert "load average at end (1, 5, 15 min)" in meta
+    assert meta["device"] != "cpu: cpu"
+    for v in payload["variants"]:
+        assert v["error"] is None and v["timing_is_measurement"] is False
+        assert isinstance(v["speedup_vs_float32_within_noise"], bool)
+    md = (out / "bench.md").read_text()
+    assert md.startswith("# mixprec bench\n\n**SMOKE TEST (--size tiny)")
+    assert "| mlp | mixed_float8 (autocast) |" in md and "x (smoke) |" in md
+
+
+def test_bench_marks_a_ratio_inside_the_rounds_spread_as_noise():
+    f32 = bench.Variant(
+        "mlp", "float32", "float32", "float32", times_ms=[1.0, 1.3, 1.0]
+    )
+    noisy = bench.Variant("mlp", "mixed_float16", "autocast", "float32")
+    noisy.times_ms = [0.9, 1.4, 1.1]
+    clear = bench.Variant("mlp", "mixed_bfloat16", "autocast", "float32")
+    clear.times_ms = [0.5, 0.6, 0.5]
+    rows = [bench._with_ratios(v, [f32, noisy, clear]) for v in (f32, noisy, clear)]
+    assert [r["speedup_vs_float32_within_noise"] for r in rows] == [False, True, False]
+    assert rows[1]["speedup_vs_float32_round_range"] == pytest.approx(
+        [0.909, 1.111], abs=1e-3
+    )
+    payload = {"meta": {}, "workloads": {"mlp": "MLP"}, "variants": rows}
+    md = bench.markdown(payload)
+    assert "| mlp | mixed_float16 (autocast) | 1.10 | 0.90 | 0.91x (noise) |" in md
+    assert "| mlp | mixed_bfloat16 (autocast) | 0.50 | 0.50 | 2.00x | 2.00x |" in md

@@ -420,6 +420,104 @@ def test_plot_writes_png(tmp_path):
     assert path.stat().st_size > 10_000
 
 
+def test_plot_shows_the_difference_from_float32_and_labels_every_line():
+    # Curves of every precision lie on top of each other: a second panel draws
+    # each one's loss minus float32's, over float32's own seed band; every line
+    # drawn (the faint per-step losses included) has a legend entry.
+    f32 = _fake("float32", 0.02)
+    f32.seed_losses = {
+        1: [x + 0.05 for x in f32.losses],
+        2: [x - 0.02 for x in f32.losses],
+    }
+    bf16 = _fake("mixed_bfloat16", 0.01)
+    bf16.losses = [x + 0.01 for x in f32.losses]
+    f16 = _fake("mixed_float16", 0.01)
+    fig = plot.make_figure([f32, bf16, f16], titles={"digits": "MLP"})
+    ax_loss, ax_diff, ax_scale = fig.axes
+    diffs, band = plot.loss_differences([f32, bf16, f16], 1)
+    np.testing.assert_allclose(diffs["mixed_bfloat16 (autocast)"], 0.01, atol=1e-12)
+    np.testing.assert_allclose(band, [[-0.02] * 10, [0.05] * 10], atol=1e-12)
+    for ax in (ax_loss, ax_diff, ax_scale):
+        labelled = {t.get_text() for t in ax.get_legend().get_texts()}
+        drawn = [*ax.lines, *ax.collections]
+        named = {a.get_label() for a in drawn if not a.get_label().startswith("_")}
+        assert named <= labelled
+        # Unnamed: the faint per-step losses after the first, whose one legend
+        # entry ("per-step loss (faint, ...)") stands for them all.
+        unnamed = [a for a in drawn if a.get_label().startswith("_")]
+        assert all(ax is ax_loss and a.get_alpha() < 0.5 for a in unnamed)
+    labels = {t.get_text() for t in ax_diff.get_legend().get_texts()}
+    assert "mixed_bfloat16 (autocast) minus float32" in labels
+    assert "float32 seed spread (seeds 1, 2 minus seed 0)" in labels
+    assert any("per-step" in t.get_text() for t in ax_loss.get_legend().get_texts())
+
+
+def test_a_speed_up_inside_the_rounds_spread_is_marked_as_noise():
+    base = _fake("float32", 0.02, round_times_s=[0.020, 0.024, 0.021])
+    noisy = _fake("mixed_float16", 0.01, round_times_s=[0.016, 0.025, 0.017])
+    clear = _fake("mixed_bfloat16", 0.01, round_times_s=[0.010, 0.011, 0.010])
+    col = report.COLUMNS.index("speed-up")
+    cells = [row[col] for row in report.rows([base, noisy, clear])]
+    assert cells == ["1.00x", "1.24x within noise", "2.10x"]
+    detail = report.speed_detail(noisy, base)
+    assert detail["speedup_within_noise"] is True
+    assert detail["speedup_round_range"] == pytest.approx([0.96, 1.25])
+    # A float16 "speed-up" on a CPU, which has no float16 matmul, is explained.
+    (note,) = report.faster_notes([base, noisy, clear], platform="cpu")
+    assert note.startswith("digits mixed_float16: 1.24x float32, although XLA:CPU")
+    assert "within run-to-run noise" in note and "0.96x to 1.25x" in note
+    fast = _fake("mixed_float16", 0.01, round_times_s=[0.010, 0.012, 0.011])
+    (note,) = report.faster_notes([base, fast], platform="cpu")
+    assert "float32 GEMMs" in note and "1.0 MiB saved for the backward pass" in note
+    assert report.faster_notes([base, fast], platform="gpu") == []
+
+
+def test_progress_lines_when_stderr_is_not_a_terminal():
+    import io
+
+    clock = iter([0.0, 0.0, 10.0, 41.0, 45.0, 46.0, 50.0, 60.0]).__next__
+    out = io.StringIO()
+    p = report.Progress(plain=True, stream=out, total_steps=6, clock=clock)
+    with p.session():
+        p.phase("loading")  # 0 s
+        on_step = p.task("lm float32", 3)  # starts at 10 s
+        for i, loss in enumerate([3.0, 2.5, 2.0]):  # 41 s (heartbeat), 45, 46
+            on_step(i, loss)
+        on_step = p.task("lm mixed_bfloat16", 3)  # 50 s
+        on_step(2, 1.5)  # 60 s
+    lines = out.getvalue().splitlines()
+    assert lines == [
+        "[    0 s] loading",
+        "[   10 s] lm float32: 3 steps ...",
+        "[   41 s] lm float32: step 1/3, loss 3.0000",
+        "[   46 s] lm float32: done, 3 steps in 36 s, loss 2.0000; 3 of 6 steps "
+        "done, about 36 s left",
+        "[   50 s] lm mixed_bfloat16: 3 steps ...",
+        "[   60 s] lm mixed_bfloat16: done, 3 steps in 10 s, loss 1.5000; 6 of 6 "
+        "steps done, about 0 s left",
+    ]
+    silent = io.StringIO()
+    off = report.Progress(enabled=False, plain=True, stream=silent)
+    off.phase("x")
+    off.task("y", 1)(0, 1.0)
+    assert silent.getvalue() == ""
+
+
+def test_device_names_the_cpu_and_results_record_the_load(monkeypatch):
+    env = timing.environment()
+    if env["backend"] == "cpu":
+        assert env["device"] != "cpu: cpu" and "cores" in env["device"]
+        assert env["device"].startswith(f"cpu: {env['cpu_model']}, ")
+        assert "bfloat16 dot instructions" in env["device"]
+    assert env["loadavg"] is None or len(env["loadavg"]) == 3
+
+    class GPU:
+        platform, device_kind = "gpu", "NVIDIA H100 80GB HBM3"
+
+    assert timing.describe_device(GPU()) == "gpu: NVIDIA H100 80GB HBM3"
+    assert timing.round_ratios([1.0, 2.0], [2.0, 1.0]) == (0.5, 2.0)
+
+
 # ----------------------------------------------------------------------------- docs
 
 

@@ -43,6 +43,12 @@ from .errors import CLIError
 MECHANISMS = ("manual", "flax", "autocast")
 WORKLOADS = ("mlp", "lm", "cnn")
 SIZE_SETS = ("cpu", "gpu", "tiny")
+# Precisions with no hand-written or Flax counterpart: why they run by autocast only.
+AUTOCAST_ONLY = {
+    "mixed_float8": "float8 matmuls need per-tensor scales, which only "
+    "`mixprec.autocast` inserts (there is no hand-written or Flax float8 "
+    "variant); run with `-m autocast`",
+}
 
 
 # ----------------------------------------------------------------------------- platform
@@ -185,10 +191,13 @@ def make_spec(name: str, config: Any, batch_size: int) -> Spec:
     """
     import functools as ft
 
+    import jax
     import jax.numpy as jnp
 
     from ..workloads import models
 
+    # The initialisers are jitted: one compilation per workload, where eager
+    # `jax.random` calls compile one small program per parameter shape.
     rng = np.random.default_rng(0)
     b = batch_size
     if name == "mlp":
@@ -199,7 +208,7 @@ def make_spec(name: str, config: Any, batch_size: int) -> Spec:
         return Spec(
             name,
             f"Keras-guide MLP {config.sizes}, batch {b}",
-            ft.partial(models.mlp_init, config=config),
+            jax.jit(ft.partial(models.mlp_init, config=config)),
             models.mlp_apply,
             ft.partial(models.flax_mlp, config),
             batch,
@@ -215,7 +224,7 @@ def make_spec(name: str, config: Any, batch_size: int) -> Spec:
         return Spec(
             name,
             title,
-            ft.partial(models.lm_init, config=config),
+            jax.jit(ft.partial(models.lm_init, config=config)),
             ft.partial(models.lm_apply, num_heads=config.num_heads),
             ft.partial(models.flax_lm, config),
             (jnp.asarray(tokens[:, :-1]), jnp.asarray(tokens[:, 1:])),
@@ -234,7 +243,7 @@ def make_spec(name: str, config: Any, batch_size: int) -> Spec:
         return Spec(
             name,
             title,
-            ft.partial(models.cnn_init, config=config),
+            jax.jit(ft.partial(models.cnn_init, config=config)),
             models.cnn_apply,
             ft.partial(models.flax_cnn, config),
             batch,
@@ -310,7 +319,7 @@ def _build(variant: Variant, spec: Spec) -> None:
     if variant.mechanism in ("flax", "flax-float32"):
         dtype = jnp.float32 if policy is None else policy.compute_dtype
         module = spec.flax_module(dtype)
-        params = module.init(key, spec.batch[0])
+        params = jax.jit(module.init)(key, spec.batch[0])
 
         def flax_fwd(p: Any, x: Any) -> Any:
             return module.apply(p, x)
@@ -374,9 +383,9 @@ def run_bench(
     precisions: Sequence[str] | None = None,
     mechanisms: Sequence[str] = MECHANISMS,
     size_set: str | None = None,
-    repeats: int = 5,
+    repeats: int | None = None,
     steps: int | None = None,
-    warmup: int = 2,
+    warmup: int | None = None,
     out: str | pathlib.Path = "mixprec-out/bench",
     progress: bool = True,
 ) -> int:
@@ -390,10 +399,11 @@ def run_bench(
       mechanisms: from :data:`MECHANISMS`.
       size_set: ``"cpu"``, ``"gpu"`` or ``"tiny"`` (default:
         :func:`default_size_set`: ``"gpu"`` on a GPU, ``"cpu"`` elsewhere).
-      repeats: interleaved timing rounds.
+      repeats: interleaved timing rounds (default 5; 2 for ``"tiny"``).
       steps: timed steps per variant per round (default: :func:`default_steps`,
-        5 on CPU, 20 on GPU).
-      warmup: untimed steps per variant after compiling.
+        5 on CPU, 20 on GPU; 1 for ``"tiny"``).
+      warmup: untimed steps per variant after compiling (default 2; 1 for
+        ``"tiny"``).
       out: output folder.
       progress: log progress to stderr.
 
@@ -413,15 +423,22 @@ def run_bench(
     configs = workload_configs(size_set)
     if precisions is None:
         precisions = default_precisions(here)
+    smoke = size_set == "tiny"
     if steps is None:
-        steps = default_steps(here)
+        steps = 1 if smoke else default_steps(here)
+    if repeats is None:
+        repeats = 2 if smoke else 5
+    if warmup is None:
+        warmup = 1 if smoke else 2
     out_dir = pathlib.Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     with_flax = "flax" in mechanisms
 
     t_start = time.perf_counter()
+    load_start = timing.loadavg()
     specs: dict[str, Spec] = {}
     variants: list[Variant] = []
+    not_run: dict[str, dict[str, None]] = {}  # precision -> mechanisms
     for name in workloads:
         if name not in configs:
             raise CLIError(f"unknown workload {name!r}; valid: {', '.join(WORKLOADS)}")
@@ -431,11 +448,22 @@ def run_bench(
             variants.append(Variant(name, "float32", "flax-float32", "float32 (flax)"))
         for precision in precisions:
             for mech in mechanisms:
+                if precision in AUTOCAST_ONLY and mech != "autocast":
+                    not_run.setdefault(precision, {})[mech] = None
+                    continue
                 base = "float32 (flax)" if mech == "flax" else "float32"
                 variants.append(Variant(name, precision, mech, base))
 
-    for v in variants:
-        _log(progress, f"compiling {v.workload}: {v.label} ...")
+    if smoke:
+        _log(progress, SMOKE_WARNING)
+    for i, v in enumerate(variants):
+        elapsed = time.perf_counter() - t_start
+        eta = f", about {elapsed / i * (len(variants) - i):.0f} s left" if i else ""
+        _log(
+            progress,
+            f"[{elapsed:5.0f} s] compiling {v.workload}: {v.label} ({i + 1} of "
+            f"{len(variants)}{eta}) ...",
+        )
         try:
             _build(v, specs[v.workload])
             if warmup:
@@ -448,7 +476,11 @@ def run_bench(
             _log(progress, f"  failed: {v.error}")
 
     live = [v for v in variants if v.error is None]
-    _log(progress, f"timing {len(live)} variants x {repeats} interleaved rounds")
+    _log(
+        progress,
+        f"[{time.perf_counter() - t_start:5.0f} s] timing {len(live)} variants x "
+        f"{repeats} interleaved rounds of {steps} steps ...",
+    )
     times = timing.interleaved(
         {
             str(i): _steps_fn(v, specs[v.workload].batch, steps)
@@ -466,6 +498,7 @@ def run_bench(
 
     env = timing.environment()
     meta = {
+        **({"smoke test": SMOKE_WARNING} if smoke else {}),
         "date": env["date"],
         "device": env["device"],
         "jax": env["jax"],
@@ -476,6 +509,8 @@ def run_bench(
         "cpu": env["cpu_model"],
         "cpu cores": env["cpu_count"],
         "cpu flags": timing.flags_summary(env["cpu_flags"]),
+        "load average at start (1, 5, 15 min)": _load_text(load_start),
+        "load average at end (1, 5, 15 min)": _load_text(env["loadavg"]),
         "16-bit matmuls": _matmul_support(env["backend"]),
         "platform": here,
         "size set": size_set,
@@ -484,12 +519,23 @@ def run_bench(
         "timed steps per round": steps,
         "warm-up steps": warmup,
         "wall time (s)": round(time.perf_counter() - t_start, 1),
+        **(
+            {
+                "not run": "; ".join(
+                    f"{p} with {', '.join(m)}: {AUTOCAST_ONLY[p]}"
+                    for p, m in not_run.items()
+                )
+            }
+            if not_run
+            else {}
+        ),
     }
     payload = {
         "meta": meta,
+        "smoke": smoke,
         "environment": env,
         "workloads": {name: spec.title for name, spec in specs.items()},
-        "variants": [_with_ratios(v, variants) for v in variants],
+        "variants": [_with_ratios(v, variants, smoke=smoke) for v in variants],
     }
     (out_dir / "bench.json").write_text(json.dumps(payload, indent=2) + "\n")
     md = markdown(payload)
@@ -515,18 +561,43 @@ def _matmul_support(platform: str) -> str:
     )
 
 
-def _with_ratios(v: Variant, variants: Sequence[Variant]) -> dict[str, Any]:
-    from ..workloads.timing import ratio
+SMOKE_WARNING = (
+    "SMOKE TEST (--size tiny): toy models for a few steps, to check that every "
+    "variant builds and runs; its step times and ratios are not measurements "
+    "(use --size cpu or gpu for those)"
+)
+
+
+def _load_text(load: Sequence[float] | None) -> str:
+    return "unknown" if load is None else ", ".join(f"{x:.2f}" for x in load)
+
+
+def _with_ratios(
+    v: Variant, variants: Sequence[Variant], *, smoke: bool = False
+) -> dict[str, Any]:
+    """The variant's JSON with its ratios to float32 and their noise: the
+    per-round range of each ratio (``timing.round_ratios``) and whether it
+    includes 1.0 (``*_within_noise``)."""
+    from ..workloads.timing import ratio, round_ratios, within_noise
 
     d = v.to_dict()
     same = [w for w in variants if w.workload == v.workload and w.error is None]
     f32 = next((w for w in same if w.label == "float32"), None)
     base = next((w for w in same if w.label == v.baseline), None)
-    d["speedup_vs_float32"] = ratio(f32.median_ms, v.median_ms) if f32 else math.nan
-    d["speedup_vs_own_float32"] = (
-        ratio(base.median_ms, v.median_ms) if base else math.nan
-    )
+    for key, ref in (("vs_float32", f32), ("vs_own_float32", base)):
+        d[f"speedup_{key}"] = ratio(ref.median_ms, v.median_ms) if ref else math.nan
+        spread = round_ratios(ref.times_ms, v.times_ms) if ref else None
+        d[f"speedup_{key}_round_range"] = None if spread is None else list(spread)
+        d[f"speedup_{key}_within_noise"] = ref is not v and within_noise(spread)
+    d["timing_is_measurement"] = not smoke
     return d
+
+
+def _ratio_cell(v: dict[str, Any], key: str, smoke: bool) -> str:
+    cell = f"{_fmt(v[f'speedup_{key}'], '.2f')}x"
+    if smoke:
+        return cell + " (smoke)"
+    return cell + " (noise)" if v.get(f"speedup_{key}_within_noise") else cell
 
 
 def _fmt(x: Any, fmt: str) -> str:
@@ -544,8 +615,11 @@ def markdown(payload: dict[str, Any]) -> str:
       '# mixprec bench'
     """
     mib = 1024.0 * 1024.0
+    smoke = bool(payload.get("smoke"))
     lines = ["# mixprec bench", ""]
-    lines += [f"- {k}: {v}" for k, v in payload["meta"].items()]
+    if smoke:
+        lines += [f"**{SMOKE_WARNING}.**", ""]
+    lines += [f"- {k}: {v}" for k, v in payload["meta"].items() if k != "smoke test"]
     lines += [""]
     lines += [f"- **{k}**: {v}" for k, v in payload["workloads"].items()]
     lines += [
@@ -567,8 +641,8 @@ def markdown(payload: dict[str, Any]) -> str:
         lines.append(
             f"| {v['workload']} | {v['label']} | {_fmt(v['median_ms'], '.2f')} "
             f"| {_fmt(v['min_ms'], '.2f')} "
-            f"| {_fmt(v['speedup_vs_float32'], '.2f')}x "
-            f"| {_fmt(v['speedup_vs_own_float32'], '.2f')}x "
+            f"| {_ratio_cell(v, 'vs_float32', smoke)} "
+            f"| {_ratio_cell(v, 'vs_own_float32', smoke)} "
             f"| {_fmt(temp / mib if temp is not None else None, '.1f')} "
             f"| {_fmt(res / mib if res is not None else None, '.1f')} "
             f"| {_fmt(v['compile_s'], '.1f')} | {v['skipped_steps']} |"
@@ -580,6 +654,9 @@ def markdown(payload: dict[str, Any]) -> str:
         "implementation (Flax rows against Flax float32). Full training steps (loss-"
         "scaled gradients + Adam), interleaved rounds, warm-up and compilation "
         "excluded. skipped steps: non-finite steps (float16) over warm-up and timing; "
-        "a variant that skips every step is not training, whatever its speed.",
+        "a variant that skips every step is not training, whatever its speed. "
+        "(noise): the ratio of the per-round times was above 1 in some rounds "
+        "and below in others, so the two step times cannot be told apart "
+        "(bench.json has each ratio's per-round range).",
     ]
     return "\n".join(lines) + "\n"

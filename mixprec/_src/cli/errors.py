@@ -9,7 +9,8 @@ Exit statuses (listed by ``mixprec --help`` as well):
 * 0 (:data:`EXIT_OK`): success.
 * 1 (:data:`EXIT_ERROR`): an error while running, printed on stderr as
   ``mixprec <command>: error: <message>``.
-* 2 (:data:`EXIT_USAGE`): a bad command line (argparse's usage and message).
+* 2 (:data:`EXIT_USAGE`): a bad command line (argparse's usage and message), or
+  a flag's value that the command rejects (:class:`UsageError`).
 * 3 (:data:`EXIT_PROBLEMS`): ``mixprec diagnose --fail-on-problems`` found an op
   that overflows, underflows or turns NaN.
 * 130 (:data:`EXIT_INTERRUPTED`): interrupted with Ctrl-C.
@@ -17,7 +18,9 @@ Exit statuses (listed by ``mixprec --help`` as well):
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
+from collections.abc import Sequence
 
 
 PROG = "mixprec"
@@ -36,6 +39,49 @@ class CLIError(Exception):
       >>> str(CLIError("cannot create the output folder 'x'"))
       "cannot create the output folder 'x'"
     """
+
+
+class UsageError(CLIError):
+    """A bad value of a flag that only the command can check (``--policy``,
+    ``--mode``): printed as argparse prints a bad command line, with the
+    subcommand's usage, as ``mixprec <command>: error: argument <flag>: ...``,
+    status 2.
+
+    Args:
+      flag: the flag at fault (``"--policy"``).
+      message: what is wrong with its value, with the valid choices.
+
+    Examples:
+      >>> str(UsageError("--mode", "unknown mode 'fast'"))
+      "argument --mode: unknown mode 'fast'"
+    """
+
+    def __init__(self, flag: str, message: str):
+        super().__init__(f"argument {flag}: {message}")
+        self.flag = flag
+
+
+def unknown_choice(
+    what: str, value: str, valid: Sequence[str], *, names: Sequence[str] = ()
+) -> str:
+    """The message for a value that is not one of the choices: the value, the
+    closest choices ("did you mean") and every valid one.
+
+    Args:
+      what: what the value names (``"mode"``).
+      value: the value given.
+      valid: the choices listed.
+      names: more names to suggest from (aliases), ``valid`` by default.
+
+    Examples:
+      >>> print(unknown_choice("size", "smal", ["tiny", "small", "full"]))
+      unknown size 'smal'; did you mean 'small'? (choose from tiny, small, full)
+    """
+    close = difflib.get_close_matches(
+        value.strip().lower(), list(names or valid), n=2, cutoff=0.6
+    )
+    hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+    return f"unknown {what} {value!r}{hint} (choose from {', '.join(valid)})"
 
 
 class UserCodeError(CLIError):

@@ -6,9 +6,11 @@ One parser (:func:`build_parser`), one entry point (:func:`main`, the
 * 0 (:data:`EXIT_OK`): success.
 * 1 (:data:`EXIT_ERROR`): an error while running, printed on stderr as
   ``mixprec <command>: error: <message>``: a target that cannot be loaded, a
-  missing optional package, a bad policy or mixlist, a run that failed.
-* 2 (:data:`EXIT_USAGE`): a bad command line; argparse prints the usage and
-  the problem on stderr.
+  missing optional package, a run that failed.
+* 2 (:data:`EXIT_USAGE`): a bad command line, the usage and the problem on
+  stderr: argparse's, or a :class:`UsageError` of a command for a flag value
+  only it can check (``--policy``, ``--mode``, ``--mixlist``), in the same
+  form (``argument --policy: unknown policy ...; did you mean ...?``).
 * 3 (:data:`EXIT_PROBLEMS`): ``mixprec diagnose --fail-on-problems`` found an
   op that overflows, underflows or turns NaN (the report is printed as usual).
 * 130 (:data:`EXIT_INTERRUPTED`): interrupted with Ctrl-C.
@@ -35,8 +37,10 @@ from .errors import (
     EXIT_USAGE as EXIT_USAGE,
     PROG as PROG,
     CLIError as CLIError,
+    UsageError as UsageError,
     UserCodeError as UserCodeError,
     require as require,
+    unknown_choice as _unknown_choice,
 )
 from .precisions import (
     BENCH_PRECISIONS as BENCH_PRECISIONS,
@@ -49,6 +53,9 @@ from .precisions import (
 WORKLOADS = ("digits", "lm")
 BENCH_WORKLOADS = ("mlp", "lm", "cnn")
 BENCH_MECHANISMS = ("manual", "flax", "autocast")
+BENCH_SIZES = ("cpu", "gpu", "tiny")
+DEMO_SIZES = ("auto", "tiny", "small", "full")
+DEMO_MECHANISMS = ("auto", "autocast", "manual")
 
 
 # ----------------------------------------------------------------------------- types
@@ -88,6 +95,24 @@ def _positive_float(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
     return value
+
+
+def _choice(valid: Sequence[str], *, what: str) -> Callable[[str], str]:
+    """A type for one of ``valid``, with a "did you mean" for a misspelling.
+
+    Examples:
+      >>> _choice(("auto", "tiny"), what="size")("TINY")
+      'tiny'
+    """
+
+    def parse(text: str) -> str:
+        key = text.strip().lower()
+        if key not in valid:
+            raise argparse.ArgumentTypeError(_unknown_choice(what, text, valid))
+        return key
+
+    parse.__name__ = what
+    return parse
 
 
 def _choice_list(
@@ -182,9 +207,21 @@ outputs (in --out): results.md and results.json (the tables and every measured
 number, per-step losses and loss scales included) and demo.png (loss curves and
 the loss-scale trace). The tables are also printed.
 
-The defaults finish in about 1-3 minutes on 2 CPU cores. Note that CPUs have
-little or no native float16 arithmetic: expect mixed_float16 to be slower than
-float32 on a CPU; the speed-ups are for GPUs (and bfloat16 on recent CPUs).
+How long it takes depends on the CPU, on how busy it is (other processes
+sharing its cores) and on the sizes: the defaults (3,000 training steps: 5 runs
+of each workload, float32 with 3 seeds) took 11.5 min on 2 AMD EPYC cores
+(AVX-512 BF16) at a load average that rose from 2 to 9.6 (docs/demo.md lists
+the measured runs); --seeds 1 skips 2 of the 5 runs, --size tiny takes about a
+minute. Progress goes to stderr: bars on a terminal; elsewhere (a file, a
+pipe, a CI log) a line per run as it starts and ends, one every 30 s while it
+runs, each with the seconds since the start, and the time left extrapolated
+from the last finished run.
+
+CPUs have little or no native float16 arithmetic: XLA:CPU runs float16 dots as
+float32 GEMMs, so expect mixed_float16 no faster than float32 on a CPU; the
+speed-ups are for GPUs (and bfloat16 on CPUs with AVX-512 BF16 or AMX). A
+speed-up that the interleaved timing rounds disagree on is marked 'within
+noise'.
 """
 
 _DEMO_EPILOG = """\
@@ -261,7 +298,8 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     )
     demo.add_argument(
         "--size",
-        choices=("auto", "tiny", "small", "full"),
+        type=_choice(DEMO_SIZES, what="size"),
+        metavar="{" + ",".join(DEMO_SIZES) + "}",
         default="auto",
         help=(
             "model/batch sizes: small (fast on a CPU), full (the Keras guide's 4096 "
@@ -277,7 +315,8 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     )
     demo.add_argument(
         "--mechanism",
-        choices=("auto", "autocast", "manual"),
+        type=_choice(DEMO_MECHANISMS, what="mechanism"),
+        metavar="{" + ",".join(DEMO_MECHANISMS) + "}",
         default="auto",
         help=(
             "how mixed precision is applied: autocast (the unchanged float32 model "
@@ -320,7 +359,9 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     )
     demo.add_argument("--no-plot", action="store_true", help="do not write demo.png")
     demo.add_argument(
-        "--no-progress", action="store_true", help="do not show progress bars"
+        "--no-progress",
+        action="store_true",
+        help="do not show progress (bars on a terminal, lines elsewhere)",
     )
     demo.set_defaults(func=_run_demo)
 
@@ -352,7 +393,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         metavar="NAME[,NAME]",
         help=(
             "mixed precisions to compare with float32: mixed_bfloat16 (bf16), "
-            "mixed_float16 (f16) or all (default: bf16 on CPU, both on GPU)"
+            "mixed_float16 (f16), mixed_float8 (f8: autocast only; CPUs emulate "
+            "float8) or all (default: bf16 on CPU, bf16 and f16 on GPU)"
         ),
     )
     bench.add_argument(
@@ -365,32 +407,36 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     )
     bench.add_argument(
         "--size",
-        choices=("cpu", "gpu", "tiny"),
+        type=_choice(BENCH_SIZES, what="size set"),
+        metavar="{" + ",".join(BENCH_SIZES) + "}",
         default=None,
         help=(
             "size set: cpu, gpu (H100/H200-class: GPT-2-small-sized LM, "
-            "ResNet-18-style CNN, the 4096-unit MLP at batch 8192) or tiny (smoke "
-            "test) (default: gpu on a GPU, cpu otherwise)"
+            "ResNet-18-style CNN, the 4096-unit MLP at batch 8192) or tiny (a smoke "
+            "test that every variant builds and runs: toy models, a few steps; "
+            "its timings are marked as not measurements) (default: gpu on a GPU, "
+            "cpu otherwise)"
         ),
     )
     bench.add_argument("--gpu", action="store_true", help="same as --size gpu")
     bench.add_argument(
         "--repeats",
         type=_positive_int,
-        default=5,
-        help="interleaved rounds over all variants (default: 5)",
+        default=None,
+        help="interleaved rounds over all variants (default: 5; 2 for --size tiny)",
     )
     bench.add_argument(
         "--steps",
         type=_positive_int,
         default=None,
-        help="timed steps per variant per round (default: 5 CPU, 20 GPU)",
+        help="timed steps per variant per round (default: 5 CPU, 20 GPU, 1 for "
+        "--size tiny)",
     )
     bench.add_argument(
         "--warmup",
         type=_non_negative_int,
-        default=2,
-        help="untimed steps per variant before timing (default: 2)",
+        default=None,
+        help="untimed steps per variant before timing (default: 2; 1 for --size tiny)",
     )
     bench.add_argument(
         "--out",
@@ -571,6 +617,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     try:
         return int(func(args))
+    except UsageError as e:  # a flag's value the command rejects: as argparse does
+        getattr(args, "subparser", parser).print_usage(sys.stderr)
+        print(f"{PROG} {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
     except (CLIError, ImportError) as e:  # ImportError: a missing optional package
         _print_error(args, e)
         return EXIT_ERROR

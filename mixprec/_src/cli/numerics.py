@@ -29,11 +29,13 @@ The reports are those of the public :func:`mixprec.explain` and
 :func:`mixprec.diagnose`. The arguments are parsed in ``main.py``; the exit
 statuses are those of ``errors.py``. Errors (status 1): a target that cannot be
 loaded or is not callable; example arguments with no array, or a function that
-runs no JAX op (there would be nothing to report); a policy (see
-``precisions.py``), mode or mixlist that ``mixprec`` rejects; an exception raised
-by the user's own code (its module, function or example hook), reported with the
-user's file and line (``--verbose`` adds the traceback). An exception with no
-frame of the user's code keeps its traceback: it is mixprec's.
+runs no JAX op (there would be nothing to report); an exception raised by the
+user's own code (its module, function or example hook), reported with the user's
+file and line (``--verbose`` adds the traceback). An exception with no frame of
+the user's code keeps its traceback: it is mixprec's. A ``--policy`` (see
+``precisions.py``), ``--mode`` or ``--mixlist`` that ``mixprec`` rejects is a bad
+command line (status 2, the subcommand's usage, the flag and the valid choices),
+checked before the target is loaded.
 ``diagnose --fail-on-problems`` returns status 3 when it finds a problem.
 """
 
@@ -53,7 +55,15 @@ import types
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
-from .errors import EXIT_OK, EXIT_PROBLEMS, PROG, CLIError, UserCodeError
+from .errors import (
+    EXIT_OK,
+    EXIT_PROBLEMS,
+    PROG,
+    CLIError,
+    UsageError,
+    UserCodeError,
+    unknown_choice,
+)
 
 
 class TargetError(CLIError):
@@ -472,10 +482,29 @@ def _report(
         raise
 
 
+def _check_mode_and_mixlist(args: argparse.Namespace) -> None:
+    """``--mode`` and ``--mixlist`` as :func:`mixprec.explain` would check
+    them, as flags: :class:`UsageError` (status 2) names the flag."""
+    import mixprec
+
+    from ..autocast import modes
+
+    if args.mode not in modes.MODES:
+        raise UsageError(
+            "--mode", unknown_choice("precision mode", args.mode, modes.MODES)
+        )
+    if args.mixlist is not None:
+        try:
+            mixprec.modify_mixlist(None, args.mixlist)
+        except (ValueError, TypeError) as e:
+            raise UsageError("--mixlist", str(e)) from None
+
+
 def _prepare(
     args: argparse.Namespace,
 ) -> tuple[Callable[..., Any], tuple[Any, ...], Any, tuple[str, ...]]:
     policy = _policy(args)
+    _check_mode_and_mixlist(args)
     fn, fn_args = load_target(args.target, args.example_args)
     _check_example_args(args.target, fn, fn_args)
     return fn, fn_args, policy, _roots_of(args.target, args.example_args)

@@ -17,9 +17,10 @@ Raw float8 (``--policy float8_e4m3fn``: every op, parameters included, in an
 
 from __future__ import annotations
 
+import difflib
 from typing import Any
 
-from .errors import CLIError
+from .errors import UsageError
 
 
 # Aliases accepted on the command line for the precisions.
@@ -42,7 +43,7 @@ PRECISION_ALIASES = {
 PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16", "mixed_float8")
 # Without `--precision`, the demo runs these (float8 is emulated on CPUs).
 DEMO_PRECISIONS = PRECISIONS[:3]
-BENCH_PRECISIONS = ("mixed_bfloat16", "mixed_float16")
+BENCH_PRECISIONS = ("mixed_bfloat16", "mixed_float16", "mixed_float8")
 
 
 def resolve_policy(text: str, *, command: str) -> tuple[Any, str | None]:
@@ -62,7 +63,8 @@ def resolve_policy(text: str, *, command: str) -> tuple[Any, str | None]:
       ``(policy, note)``: a :class:`mixprec.Policy` and a note or ``None``.
 
     Raises:
-      CLIError: a policy ``mixprec.get_policy`` rejects, or raw float8.
+      UsageError: a policy ``mixprec.get_policy`` rejects (the message lists
+        the command line's precisions), or raw float8.
 
     Examples:
       >>> policy, note = resolve_policy("bf16", command="inspect")
@@ -75,7 +77,7 @@ def resolve_policy(text: str, *, command: str) -> tuple[Any, str | None]:
       >>> resolve_policy("float8_e4m3fn", command="inspect")
       Traceback (most recent call last):
       ...
-      mixprec._src.cli.errors.CLIError: `--policy float8_e4m3fn` runs every op ...
+      mixprec._src.cli.errors.UsageError: argument --policy: 'float8_e4m3fn' runs ...
     """
     import mixprec
 
@@ -83,7 +85,7 @@ def resolve_policy(text: str, *, command: str) -> tuple[Any, str | None]:
     try:
         policy = mixprec.get_policy(canonical or text)
     except (ValueError, TypeError) as e:
-        raise CLIError(f"{type(e).__name__}: {e}") from None
+        raise UsageError("--policy", _bad_policy(text, e)) from None
     note = None
     if canonical is not None:
         try:
@@ -100,17 +102,57 @@ def resolve_policy(text: str, *, command: str) -> tuple[Any, str | None]:
     return policy, note
 
 
+def precision_choices() -> str:
+    """The precisions of the command line with their aliases, for messages.
+
+    Examples:
+      >>> print(precision_choices())
+      float32 (f32, fp32), mixed_bfloat16 (bf16, bfloat16), ...
+    """
+    parts = []
+    for name in PRECISIONS:
+        aliases = [a for a, v in PRECISION_ALIASES.items() if v == name and a != name]
+        parts.append(f"{name} ({', '.join(aliases)})")
+    return ", ".join(parts)
+
+
+def _bad_policy(text: str, error: Exception) -> str:
+    """Why ``--policy TEXT`` is refused: a misspelt precision gets the closest
+    command-line names and the list of them; a JMP string the reason
+    ``mixprec.get_policy`` gives.
+
+    Examples:
+      >>> print(_bad_policy("mixed_bfloat61", ValueError("Unknown dtype")))
+      unknown policy 'mixed_bfloat61'; did you mean 'mixed_bfloat16' or ...
+    """
+    if "=" in text:  # a JMP string: p=...,c=...,o=...
+        return (
+            f"invalid policy {text!r}: {error} A JMP string sets the dtypes of "
+            "the parameters, the compute and the outputs, e.g. "
+            "p=f32,c=bf16,o=f32."
+        )
+    close = difflib.get_close_matches(
+        text.strip().lower(), list(PRECISION_ALIASES), n=2, cutoff=0.6
+    )
+    hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+    return (
+        f"unknown policy {text!r}{hint} (choose from {precision_choices()}, or a "
+        "JMP string such as p=f32,c=bf16,o=f32)"
+    )
+
+
 def _refuse_raw_float8(policy: Any, text: str, command: str) -> None:
     import numpy as np
 
     dtypes = (policy.param_dtype, policy.compute_dtype, policy.output_dtype)
     raw = [d for d in dtypes if np.dtype(d).itemsize == 1]
     if raw and policy.float8 is None:
-        raise CLIError(
-            f"`--policy {text}` runs every op in {np.dtype(raw[0]).name} "
+        raise UsageError(
+            "--policy",
+            f"{text!r} runs every op in {np.dtype(raw[0]).name} "
             f"({policy}): no scaling, and softmax, norms, sums and the parameters "
             "in 8 bits, where most values overflow or flush to zero. float8 is "
             "meant for matmuls only, with per-tensor scales: use `--policy "
             "mixed_float8` (bfloat16 compute, scaled float8 matmuls), or a JMP "
-            "string with a recipe such as `p=f32,c=bf16,o=f32,f8=rowwise`."
+            "string with a recipe such as `p=f32,c=bf16,o=f32,f8=rowwise`.",
         )

@@ -130,6 +130,43 @@ def ratio(numerator: float, denominator: float) -> float:
     return numerator / denominator if denominator else math.nan
 
 
+def round_ratios(
+    base_times: Sequence[float], times: Sequence[float]
+) -> tuple[float, float] | None:
+    """The lowest and highest per-round ratio ``base / this`` of two variants
+    timed in the same interleaved rounds (round ``i`` against round ``i``).
+
+    This is the run-to-run noise of a speed-up: a ratio whose range includes
+    1.0 cannot tell the two step times apart (:func:`within_noise`). ``None``
+    with fewer than two rounds, where the noise is not measured.
+
+    Examples:
+      >>> round_ratios([1.0, 1.2, 1.0], [0.9, 1.0, 1.1])
+      (0.9090909090909091, 1.2)
+      >>> round_ratios([1.0], [0.5]) is None
+      True
+    """
+    pairs = [
+        b / t
+        for b, t in zip(base_times, times, strict=False)
+        if t > 0 and math.isfinite(b) and math.isfinite(t)
+    ]
+    if len(pairs) < 2:
+        return None
+    return min(pairs), max(pairs)
+
+
+def within_noise(spread: tuple[float, float] | None) -> bool:
+    """Whether a speed-up's per-round range (:func:`round_ratios`) includes 1.0:
+    in some rounds this variant was faster, in others slower.
+
+    Examples:
+      >>> within_noise((0.95, 1.3)), within_noise((1.1, 1.3)), within_noise(None)
+      (True, False, False)
+    """
+    return spread is not None and spread[0] <= 1.0 <= spread[1]
+
+
 # ----------------------------------------------------------------------------- memory
 
 
@@ -301,10 +338,7 @@ def environment() -> dict[str, Any]:
     """
     dev = jax.devices()[0]
     cpu = cpu_info()
-    try:
-        load: list[float] | None = [round(x, 2) for x in os.getloadavg()]
-    except OSError:  # not available on this platform
-        load = None
+    load = loadavg()
     return {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "jax": jax.__version__,
@@ -312,7 +346,7 @@ def environment() -> dict[str, Any]:
         "mixprec": _version("mixprec") or "source tree",
         "python": platform.python_version(),
         "backend": jax.default_backend(),
-        "device": f"{dev.platform}: {getattr(dev, 'device_kind', '')}".rstrip(": "),
+        "device": describe_device(dev, cpu),
         "device_count": jax.device_count(),
         "machine": platform.machine(),
         "cpu_model": cpu["model"],
@@ -321,6 +355,61 @@ def environment() -> dict[str, Any]:
         "cpu_bf16": _cpu_bf16(),
         "loadavg": load,
     }
+
+
+def loadavg() -> list[float] | None:
+    """The 1, 5 and 15-minute load averages (``None`` where unavailable).
+
+    Examples:
+      >>> load = loadavg()
+      >>> load is None or len(load) == 3
+      True
+    """
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (OSError, AttributeError):  # not available on this platform
+        return None
+
+
+def describe_device(
+    dev: Any, cpu: Mapping[str, Any] | None = None, *, cores: int | None = None
+) -> str:
+    """The device a result was measured on, for a person to read.
+
+    A GPU is named by its kind (``"gpu: NVIDIA H100 80GB HBM3"``). A CPU device
+    has the kind ``"cpu"``, which says nothing, so it is named by the CPU model
+    of ``/proc/cpuinfo``, the cores this process may use and whether the CPU
+    has bfloat16 dot instructions (``avx512_bf16``/``amx_bf16`` on x86,
+    ``bf16`` on Arm).
+
+    Examples:
+      >>> class Dev:
+      ...     platform, device_kind = "cpu", "cpu"
+      >>> cpu = {"model": "AMD EPYC", "flags": {"avx2": True, "avx512_bf16": True}}
+      >>> describe_device(Dev(), cpu, cores=2)
+      'cpu: AMD EPYC, 2 cores, bfloat16 dot instructions (avx512_bf16)'
+    """
+    kind = str(getattr(dev, "device_kind", "") or "")
+    if dev.platform != "cpu":
+        return f"{dev.platform}: {kind}".rstrip(": ")
+    cpu = cpu if cpu is not None else cpu_info()
+    flags = cpu.get("flags") or {}
+    bf16 = [f for f in ("avx512_bf16", "amx_bf16", "bf16") if flags.get(f)]
+    if bf16:
+        native = f"bfloat16 dot instructions ({', '.join(bf16)})"
+    elif flags:
+        native = "no bfloat16 dot instructions"
+    else:
+        native = "CPU flags unknown"
+    cores = cores or _usable_cores()
+    return f"cpu: {cpu.get('model') or kind}, {cores} cores, {native}"
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def _cpu_bf16() -> dict[str, Any] | None:

@@ -297,6 +297,8 @@ class RunResult:
     # trained with (itself included), for the seed-to-seed spread.
     seed: int = 0
     seed_eval_losses: dict[int, float] = dataclasses.field(default_factory=dict)
+    # The per-step training losses of the other seeds (float32's spread, plotted).
+    seed_losses: dict[int, list[float]] = dataclasses.field(default_factory=dict)
     # The compiled step, its state and a batch, kept for `time_interleaved`.
     _runner: Any = dataclasses.field(default=None, repr=False, compare=False)
 
@@ -480,7 +482,9 @@ def make_step(
             }
             return (params, opt_state), metrics
 
-        return step, (params, tx.init(params))
+        # Jitted: one compilation, where eager `init` compiles a small program
+        # per parameter shape (seconds on a busy CPU).
+        return step, (params, jax.jit(tx.init)(params))
 
     # Without mixprec.optax: the same logic by hand (JMP's recipe).
     def manual_step(state: Any, batch: Batch) -> tuple[Any, dict[str, jax.Array]]:
@@ -495,7 +499,7 @@ def make_step(
         metrics = {"loss": loss, "finite": finite, "loss_scale": ls.loss_scale}
         return (params, opt_state, ls), metrics
 
-    return manual_step, (params, inner.init(params), loss_scale)
+    return manual_step, (params, jax.jit(inner.init)(params), loss_scale)
 
 
 def train(
@@ -557,7 +561,9 @@ def train(
         acc = jnp.mean((jnp.argmax(log_probs, axis=-1) == y).astype(jnp.float32))
         return loss, acc
 
-    params = workload.init(jax.random.key(seed))
+    # Jitted (one compilation per workload, reused by every run), where eager
+    # `jax.random` calls compile one small program per parameter shape.
+    params = jax.jit(workload.init)(jax.random.key(seed))
     inner = optax.adam(learning_rate_schedule(workload, steps))
     loss_scale = initial_loss_scale(
         precision, period=loss_scale_period, initial=loss_scale_init

@@ -150,11 +150,7 @@ def rows(results: Sequence[RunResult]) -> list[list[str]]:
         if r.error:
             out.append([name, *(["-"] * (len(COLUMNS) - 2)), f"skipped: {r.error}"])
             continue
-        speed = (
-            f"{base.median_step_s / r.median_step_s:.2f}x"
-            if base is not None and r.median_step_s > 0
-            else "n/a"
-        )
+        speed = speed_cell(r, base)
         out.append(
             [
                 name,
@@ -171,6 +167,71 @@ def rows(results: Sequence[RunResult]) -> list[list[str]]:
             ]
         )
     return out
+
+
+def speed_detail(r: RunResult, base: RunResult | None) -> dict[str, Any]:
+    """A run's speed-up over float32 and its run-to-run noise, for the JSON.
+
+    ``speedup_vs_float32`` is float32's median step time over this run's;
+    ``speedup_round_range`` the lowest and highest ratio of the interleaved
+    rounds (round against round); ``speedup_within_noise`` whether that range
+    includes 1.0, so that the run cannot tell the two step times apart.
+
+    Examples:
+      >>> b = RunResult("lm", "float32", "float32", 9, round_times_s=[1.0, 1.2, 1.0])
+      >>> r = RunResult("lm", "mixed_float16", "autocast", 9,
+      ...               round_times_s=[0.9, 1.0, 1.1])
+      >>> d = speed_detail(r, b)
+      >>> round(d["speedup_vs_float32"], 2), d["speedup_within_noise"]
+      (1.0, True)
+    """
+    from ...workloads import timing
+
+    if base is None or r.error or not r.median_step_s > 0:
+        return {
+            "speedup_vs_float32": math.nan,
+            "speedup_round_range": None,
+            "speedup_within_noise": False,
+        }
+    spread = timing.round_ratios(base.round_times_s, r.round_times_s)
+    return {
+        "speedup_vs_float32": base.median_step_s / r.median_step_s,
+        "speedup_round_range": None if spread is None else list(spread),
+        "speedup_within_noise": r is not base and timing.within_noise(spread),
+    }
+
+
+def speed_cell(r: RunResult, base: RunResult | None) -> str:
+    """The "speed-up" cell: ``"1.21x"``, or ``"1.21x within noise"`` when the
+    interleaved rounds disagree on which of the two is faster.
+
+    Examples:
+      >>> b = RunResult("lm", "float32", "float32", 9, round_times_s=[1.0, 1.2, 1.0])
+      >>> r = RunResult("lm", "mixed_float16", "autocast", 9,
+      ...               round_times_s=[0.9, 1.0, 1.1])
+      >>> speed_cell(b, b), speed_cell(r, b)
+      ('1.00x', '1.00x within noise')
+    """
+    d = speed_detail(r, base)
+    if not math.isfinite(d["speedup_vs_float32"]):
+        return "n/a"
+    cell = f"{d['speedup_vs_float32']:.2f}x"
+    return cell + " within noise" if d["speedup_within_noise"] else cell
+
+
+def _noise_text(r: RunResult, base: RunResult | None) -> str:
+    d = speed_detail(r, base)
+    spread = d["speedup_round_range"]
+    if spread is None:
+        return ""
+    lo, hi = spread
+    if d["speedup_within_noise"]:
+        return (
+            f"; within run-to-run noise: its interleaved rounds ranged from "
+            f"{lo:.2f}x to {hi:.2f}x float32, so this run cannot tell the two "
+            "step times apart"
+        )
+    return f" (interleaved rounds: {lo:.2f}x-{hi:.2f}x)"
 
 
 def _columns(table: list[list[str]]) -> tuple[list[str], list[list[str]]]:
@@ -199,7 +260,9 @@ def markdown(
       # mixprec demo
     """
     lines = ["# mixprec demo", ""]
-    lines += [f"- {k}: {v}" for k, v in meta.items() if k != "why slower"]
+    lines += [
+        f"- {k}: {v}" for k, v in meta.items() if k not in ("why slower", "why faster")
+    ]
     for name, group in group_by_workload(results).items():
         lines += ["", f"## {name}: {titles.get(name, '')}".rstrip(), ""]
         mechs = sorted({r.mechanism for r in group} - {"float32"})
@@ -216,6 +279,10 @@ def markdown(
     if notes:
         lines += ["", "Slower than float32, and why:", ""]
         lines += [f"- {n}" for n in notes]
+    faster = list(meta.get("why faster", []))
+    if faster:
+        lines += ["", FASTER_HEADING, ""]
+        lines += [f"- {n}" for n in faster]
     lines += ["", NOTES]
     return "\n".join(lines) + "\n"
 
@@ -294,9 +361,60 @@ def speed_notes(
             speed = _speed(r, base)
             if r.precision == "float32" or not math.isfinite(speed) or speed >= 1.0:
                 continue
+            why = _why_slower(r, platform, cpu_bf16, load)
+            noise = _noise_text(r, base)
+            if noise:
+                why = why.rstrip(".") + noise + "."
+            notes.append(f"{r.workload} {r.precision}: {speed:.2f}x float32 - {why}")
+    return notes
+
+
+FASTER_HEADING = "Faster than float32 with no native matmul in its dtype, and why:"
+
+
+def faster_notes(results: Sequence[RunResult], *, platform: str) -> list[str]:
+    """Why a float16 run is faster than float32 on a CPU, which has no float16
+    matmul: its dots run as float32 GEMMs on float16-rounded operands, so a
+    faster step is either noise or comes from the work outside the matmuls.
+
+    Examples:
+      >>> r32 = RunResult("lm", "float32", "float32", 9, round_times_s=[1.0, 1.1])
+      >>> r16 = RunResult("lm", "mixed_float16", "autocast", 9,
+      ...                 round_times_s=[0.8, 0.9])
+      >>> print(faster_notes([r32, r16], platform="cpu")[0])
+      lm mixed_float16: 1.24x float32, although XLA:CPU has no float16 matmul: ...
+    """
+    if platform != "cpu":
+        return []
+    notes = []
+    for group in group_by_workload(results).values():
+        base = next(
+            (r for r in group if r.precision == "float32" and not r.error), None
+        )
+        for r in group:
+            speed = _speed(r, base)
+            if base is None or r.precision != "mixed_float16" or not speed > 1.0:
+                continue
+            saved, saved32 = (x.memory.get("residual_bytes") for x in (r, base))
+            bytes_text = (
+                f" ({_mib(saved)} MiB saved for the backward pass against "
+                f"float32's {_mib(saved32)} MiB)"
+                if saved is not None and saved32 is not None
+                else ""
+            )
+            if speed_detail(r, base)["speedup_within_noise"]:
+                cause = "it is within run-to-run noise" + _noise_text(r, base)
+            else:
+                cause = (
+                    "the dots run as float32 GEMMs on float16-rounded operands, "
+                    "so what is faster is the work around them: the activations "
+                    "and the elementwise ops in float16, half the bytes to move"
+                    f"{bytes_text}, or a change of load between rounds"
+                    + _noise_text(r, base)
+                )
             notes.append(
-                f"{r.workload} {r.precision}: {speed:.2f}x float32 - "
-                + _why_slower(r, platform, cpu_bf16, load)
+                f"{r.workload} {r.precision}: {speed:.2f}x float32, although "
+                f"XLA:CPU has no float16 matmul: {cause}."
             )
     return notes
 
@@ -361,7 +479,9 @@ NOTES = (
     "means this run cannot tell the two apart. "
     "ms/step: median over 3 interleaved timing rounds (up to 10 steps of every "
     "precision per round, after training; compilation not counted). speed-up: "
-    "float32's ms/step / this run's. "
+    "float32's ms/step / this run's; 'within noise' when float32 was faster in "
+    "some interleaved rounds and slower in others (results.json has each "
+    "run's range of per-round ratios, `speedup_round_range`). "
     "XLA temp: temporary buffers of the compiled training step "
     "(`compiled.memory_analysis()`). saved-for-bwd: bytes the forward pass keeps "
     "for the backward pass. device peak (GPU only): the backend's peak bytes in "
@@ -377,7 +497,13 @@ NOTES = (
 def write_json(
     path: pathlib.Path, results: Sequence[RunResult], meta: dict[str, Any]
 ) -> None:
-    payload = {"meta": meta, "runs": [r.to_dict() for r in results]}
+    runs = []
+    for group in group_by_workload(results).values():
+        base = next(
+            (r for r in group if r.precision == "float32" and not r.error), None
+        )
+        runs += [{**r.to_dict(), **speed_detail(r, base)} for r in group]
+    payload = {"meta": meta, "runs": runs}
     path.write_text(json.dumps(payload, indent=2, allow_nan=True) + "\n")
 
 
@@ -409,16 +535,91 @@ def print_tables(
 
 
 class Progress:
-    """One rich progress bar per run, or nothing when ``enabled`` is false."""
+    """Progress of the demo's runs on stderr: rich bars on a terminal, plain lines
+    elsewhere, or nothing when ``enabled`` is false.
 
-    def __init__(self, *, enabled: bool = True, console: Any = None):
+    Where stderr is not a terminal (a file, a pipe, a CI log) a bar would be
+    drawn only when its run has finished, so plain lines are printed instead,
+    each as it happens: one per phase (:meth:`phase`), one when a run starts,
+    one every ``heartbeat_s`` seconds while it runs and one when it ends, each
+    with the seconds since the start and, once a run has finished, an estimate
+    of the time left extrapolated from the finished work (seconds per training
+    step so far, times the steps left of ``total_steps``).
+
+    Examples:
+      >>> import io
+      >>> out, now = io.StringIO(), iter([0.0, 0.0, 1.0, 2.0]).__next__
+      >>> p = Progress(plain=True, stream=out, total_steps=4, clock=now)
+      >>> with p.session():
+      ...     on_step = p.task("digits float32", 2)
+      ...     on_step(0, 2.5); on_step(1, 2.25)
+      >>> print(out.getvalue(), end="")
+      [    0 s] digits float32: 2 steps ...
+      [    2 s] digits float32: done, 2 steps in 2 s, loss 2.2500;
+      2 of 4 steps done, about 2 s left
+    """
+
+    def __init__(
+        self,
+        *,
+        enabled: bool = True,
+        console: Any = None,
+        plain: bool | None = None,
+        stream: Any = None,
+        total_steps: int = 0,
+        heartbeat_s: float = 30.0,
+        clock: Callable[[], float] | None = None,
+    ):
+        import sys
+        import time
+
         self.enabled = enabled
         self._console = console
+        if plain is None:
+            plain = console is None or not getattr(console, "is_terminal", False)
+        self.plain = plain
+        self._stream = stream if stream is not None else sys.stderr
+        self.total_steps = total_steps
+        self.done_steps = 0
+        self._last_rate: float | None = None  # seconds per step, last run
+        self.heartbeat_s = heartbeat_s
+        self._clock = clock or time.perf_counter
+        self._start = self._clock()
         self._progress: Any = None
+
+    def elapsed(self) -> float:
+        """Seconds since the progress started."""
+        return self._clock() - self._start
+
+    def eta(self, now: float | None = None) -> float | None:
+        """Seconds left: the steps left times the seconds per step of the last
+        finished run (its compilation included), which follows
+        changes of load and of workload better than the average since the
+        start; that average before any run has finished, ``None`` without
+        ``total_steps``."""
+        if not self.done_steps or not self.total_steps:
+            return None
+        now = self.elapsed() if now is None else now
+        left = max(self.total_steps - self.done_steps, 0)
+        rate = self._last_rate if self._last_rate is not None else now / self.done_steps
+        return rate * left
+
+    def _line(self, message: str, now: float | None = None) -> None:
+        now = self.elapsed() if now is None else now
+        print(f"[{now:5.0f} s] {message}", file=self._stream, flush=True)
+
+    def phase(self, message: str) -> None:
+        """One line for a phase of the demo (loading a workload, timing)."""
+        if not self.enabled:
+            return
+        if self.plain:
+            self._line(message)
+        elif self._console is not None:
+            self._console.print(message)
 
     @contextlib.contextmanager
     def session(self) -> Iterator[Progress]:
-        if not self.enabled:
+        if not self.enabled or self.plain:
             yield self
             return
         from rich import progress as rp
@@ -436,7 +637,12 @@ class Progress:
         self._progress = None
 
     def task(self, description: str, total: int) -> Callable[[int, float], None]:
-        """Adds a bar; returns the ``on_step(step, loss)`` callback that advances it."""
+        """Starts a run of ``total`` steps; returns the ``on_step(step, loss)``
+        callback that reports it."""
+        if not self.enabled:
+            return lambda step, loss: None
+        if self.plain:
+            return self._plain_task(description, total)
         if self._progress is None:
             return lambda step, loss: None
         progress = self._progress
@@ -446,3 +652,46 @@ class Progress:
             progress.update(task_id, completed=step + 1, loss=f"{loss:.4f}")
 
         return on_step
+
+    def _plain_task(self, description: str, total: int) -> Callable[[int, float], None]:
+        start = self.elapsed()
+        self._line(f"{description}: {total} steps ...", start)
+        last = [start]
+
+        def on_step(step: int, loss: float) -> None:
+            now = self.elapsed()
+            if step + 1 >= total:
+                self.done_steps += total
+                self._last_rate = (now - start) / max(total, 1)
+                eta = self.eta(now)
+                tail = (
+                    f"; {self.done_steps} of {self.total_steps} steps done"
+                    + ("" if eta is None else f", about {_duration(eta)} left")
+                    if self.total_steps
+                    else ""
+                )
+                self._line(
+                    f"{description}: done, {total} steps in {_duration(now - start)}"
+                    f", loss {loss:.4f}{tail}",
+                    now,
+                )
+            elif now - last[0] >= self.heartbeat_s:
+                last[0] = now
+                self._line(
+                    f"{description}: step {step + 1}/{total}, loss {loss:.4f}", now
+                )
+
+        return on_step
+
+
+def _duration(seconds: float) -> str:
+    """``"42 s"`` or ``"3 min 05 s"``.
+
+    Examples:
+      >>> _duration(42.4), _duration(185.0)
+      ('42 s', '3 min 05 s')
+    """
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds} s"
+    return f"{seconds // 60} min {seconds % 60:02d} s"

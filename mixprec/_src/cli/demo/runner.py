@@ -24,6 +24,7 @@ def _meta(
         "cpu": env["cpu_model"],
         "cpu cores": env["cpu_count"],
         "cpu flags": timing.flags_summary(env["cpu_flags"]),
+        "load average at start (1, 5, 15 min)": _load_text(env["loadavg"]),
         "machine": env["machine"],
         "jax": env["jax"],
         "jaxlib": env["jaxlib"],
@@ -36,6 +37,16 @@ def _meta(
             "/2 on inf/NaN"
         ),
     }
+
+
+def _load_text(load: Any) -> str:
+    """``"0.52, 0.31, 0.12"``, or ``"unknown"``.
+
+    Examples:
+      >>> _load_text([0.52, 0.31, 0.12]), _load_text(None)
+      ('0.52, 0.31, 0.12', 'unknown')
+    """
+    return "unknown" if load is None else ", ".join(f"{x:.2f}" for x in load)
 
 
 def _cpu_bf16(platform: str) -> Any:
@@ -130,7 +141,7 @@ def run_demo(
 
     results: list[train_lib.RunResult] = []
     titles: dict[str, str] = {}
-    reporter = report.Progress(enabled=progress, console=err_console)
+    built: list[tuple[Any, int]] = []
     for name in workloads:
         err_console.print(
             f"[bold]{name}[/bold]: loading data and building the model ..."
@@ -143,7 +154,17 @@ def run_demo(
             raise CLIError(str(e)) from e
         titles[name] = workload.title
         err_console.print(f"  {workload.title}")
-        n_steps = steps if steps is not None else workload.steps
+        built.append((workload, steps if steps is not None else workload.steps))
+    extra_seeds = max(seeds - 1, 0) if "float32" in order else 0
+    total = sum(n * (len(order) + extra_seeds) for _, n in built)
+    reporter = report.Progress(enabled=progress, console=err_console, total_steps=total)
+    reporter.phase(
+        f"{len(order) + extra_seeds} runs per workload, {total} training steps in "
+        "all; the time they take depends on the CPU, its load and the sizes "
+        "(on a terminal: bars; elsewhere: a line per run)"
+    )
+    for workload, n_steps in built:
+        name = workload.name
         with reporter.session():
             for precision in order:
                 on_step = reporter.task(f"{name} {precision}", n_steps)
@@ -162,6 +183,7 @@ def run_demo(
                 except NotImplementedError as e:
                     result = train_lib.RunResult(name, precision, mech, n_steps)
                     result.error = str(e)
+                    reporter.done_steps += n_steps
                 results.append(result)
             base = next(
                 (r for r in results if r.workload == name and r.precision == "float32"),
@@ -169,7 +191,8 @@ def run_demo(
             )
             for other in range(seed + 1, seed + seeds):
                 if base is None or base.error:
-                    break
+                    reporter.done_steps += n_steps
+                    continue
                 on_step = reporter.task(f"{name} float32 seed {other}", n_steps)
                 spare = train_lib.train(
                     workload,
@@ -180,21 +203,27 @@ def run_demo(
                     compiled_steps=compiled,
                 )
                 base.seed_eval_losses[other] = spare.eval_loss
+                base.seed_losses[other] = spare.losses
         # Fair speed-ups: re-time this workload's runs in interleaved rounds.
-        err_console.print(f"  timing {name}: 3 interleaved rounds ...")
+        reporter.phase(f"timing {name}: 3 interleaved rounds ...")
         train_lib.time_interleaved([r for r in results if r.workload == name])
     compiled.clear()
 
     meta["wall time (s)"] = round(time.perf_counter() - t_start, 1)
     import jax
 
+    from ...workloads import timing
+
+    load_end = timing.loadavg()
+    meta["load average at end (1, 5, 15 min)"] = _load_text(load_end)
     platform = jax.default_backend()
     meta["why slower"] = report.speed_notes(
         results,
         platform=platform,
         cpu_bf16=_cpu_bf16(platform),
-        load=os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        load=None if load_end is None else load_end[0],
     )
+    meta["why faster"] = report.faster_notes(results, platform=platform)
     report.write_json(out_dir / "results.json", results, meta)
     (out_dir / "results.md").write_text(report.markdown(results, titles, meta))
     png = None
@@ -209,6 +238,10 @@ def run_demo(
     if meta["why slower"]:
         console.print("Slower than float32, and why:")
         for note in meta["why slower"]:
+            console.print(f"  - {note}")
+    if meta["why faster"]:
+        console.print(report.FASTER_HEADING)
+        for note in meta["why faster"]:
             console.print(f"  - {note}")
     console.print(report.NOTES, style="dim")
     console.print(
