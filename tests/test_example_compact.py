@@ -28,6 +28,10 @@ def test_compact_mnist_example(capsys):
     results = _example().main(["--steps", "120"])
     out = capsys.readouterr().out
     assert "the same bits as without the break" in out
+    # Progress as it trains, not silence until the table: five lines per run.
+    for kind in ("float32", "naive bf16", "compact"):
+        assert f"  {kind}: step 24/120, loss " in out
+        assert f"  {kind}: step 120/120, loss " in out
     f32, naive, compact = results["float32"], results["naive bf16"], results["compact"]
     assert f32["bytes"] == pytest.approx(16.0, abs=0.01)
     assert naive["bytes"] == pytest.approx(8.0, abs=0.01)
