@@ -739,10 +739,11 @@ def eval_jaxpr(
     facts = Facts()
     plan = walk.config.plan
     named = None
-    if plan is not None:
+    if plan is not None or walk.observer is not None:
+        # (An observer reports each product's site, plan or not.)
         open_jaxpr: Jaxpr = jaxpr  # type: ignore[assignment]
         named = sites_lib.name_sites(open_jaxpr, walk.scope, walk.backward)
-        if not walk.path and not walk.scope:
+        if plan is not None and not walk.path and not walk.scope:
             _check_rules(plan, open_jaxpr)
     walk = walk.over(facts, named)
     if walk.rewrites:

@@ -58,6 +58,7 @@ from mixprec._src.autocast.config import make_config
 from mixprec._src.autocast.interpreter import Walk
 from mixprec._src.autocast.mixlist import load_spec
 from mixprec._src.autocast.ops import OpLists
+from mixprec._src.numerics import plan as plan_advice
 from mixprec._src.numerics.advice import (
     GradientHistogram,
     ScopeFix,
@@ -209,6 +210,12 @@ class DiagnosisReport:
       scope_verified: whether a re-run with those lines treated as inside
         ``float32_scope`` is free of the problems (``None``: no line to
         suggest, or not checked).
+      suggested_plan: the fix as a :class:`mixprec.Plan`: every matmul site
+        kept at the precision it ran in, the ones that broke raised one step
+        (float8 -> 16-bit -> float32), re-run and raised again until none
+        breaks (``None`` without matmul sites).
+      plan_verified: whether the last re-run with ``suggested_plan`` had no
+        broken matmul site (``None``: not checked).
       suggested_loss_scale: a power of two, or ``None`` when no backward pass was
         seen or the low dtype does not need loss scaling (bfloat16).
       gradient_range: ``(smallest, largest)`` non-zero magnitude of the
@@ -251,6 +258,8 @@ class DiagnosisReport:
     black_list_reach: Mapping[str, int] = dataclasses.field(default_factory=dict)
     scope_fixes: tuple[ScopeFix, ...] = ()
     scope_verified: bool | None = None
+    suggested_plan: Any = None
+    plan_verified: bool | None = None
 
     @property
     def problems(self) -> tuple[OpDiagnosis, ...]:
@@ -496,6 +505,10 @@ class DiagnosisReport:
             "black_list_reach": dict(self.black_list_reach),
             "scope_fixes": [fix.to_dict() for fix in self.scope_fixes],
             "scope_verified": self.scope_verified,
+            "suggested_plan": None
+            if self.suggested_plan is None
+            else self.suggested_plan.to_dict(),
+            "plan_verified": self.plan_verified,
             "alignment": [issue.to_dict() for issue in self.alignment],
             "notes": list(self.notes),
             "ops": [op.to_dict() for op in self.ops],
@@ -1142,6 +1155,15 @@ def diagnose(
         for p in to_black
     }
     loss_scale_hint, grad_range = suggest_loss_scale(ev.grads, low, scale)
+    suggested_plan, plan_ok = plan_advice.suggest_plan(
+        fn_to_run,
+        args,
+        sites,
+        config,
+        tolerance=tolerance,
+        max_loop_steps=max_loop_steps,
+        refine=refine,
+    )
     alignment = []
     for s in sites:
         issue = lint_product(
@@ -1180,4 +1202,6 @@ def diagnose(
         black_list_reach=reach,
         scope_fixes=fixes,
         scope_verified=scope_ok,
+        suggested_plan=suggested_plan,
+        plan_verified=plan_ok,
     )

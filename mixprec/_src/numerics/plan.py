@@ -390,7 +390,7 @@ def render_plan(p: Plan) -> str:
     from mixprec._src.numerics.record import short_source
     from mixprec._src.numerics.render import fmt_flops, render_table
 
-    cands = list(p.candidates) or sorted({s.policy for s in p.sites})
+    cands = list(p.candidates)
     head = ["layer", "op", "#", "source", "FLOPs"]
     head += [f"effect {c}" for c in cands] + ["policy"]
     rows = []
@@ -434,7 +434,123 @@ def render_plan(p: Plan) -> str:
     up = speedup(p, platform)
     if up is not None:
         lines.append(
-            f"estimated matmul time vs all-bfloat16 on {platform}: {up:.2f}x faster "
-            "(FLOPs over the THROUGHPUT table; sites named by the plan only)"
+            f"estimated speed-up of the sites' matmul time vs all-bfloat16 on "
+            f"{platform}: {up:.2f}x (their FLOPs over the THROUGHPUT table)"
         )
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ diagnose's plan
+
+
+def _raised(policy: Policy) -> Policy:
+    """One step wider: float8 -> its 16-bit compute dtype -> float32."""
+    if policy.float8 is not None:
+        return policy.with_float8(None)
+    return Policy(policy.param_dtype, np.float32, policy.output_dtype)
+
+
+def broken_sites(
+    sites: Sequence[Any], tolerance: float
+) -> set[tuple[str, str, int | None]]:
+    """The plan sites (``OpDiagnosis.site``) of the products that broke in a
+    diagnose run: those :func:`~mixprec._src.numerics.advice.problem_sites`
+    names, and the float8 products (forward or backward) that overflow, turn
+    non-finite, or flush more than ``tolerance`` of the values they quantize
+    to zero."""
+    from mixprec._src.numerics.advice import problem_sites
+
+    found = {s.site for s in problem_sites(sites, tolerance) if s.site is not None}
+    for s in sites:
+        if s.site is None or s.decision != "float8":
+            continue
+        quantized = max(int(s.quantized or 0), 1)
+        if s.overflow or s.nonfinite or s.flushed / quantized > tolerance:
+            found.add(s.site)
+    return found
+
+
+def suggest_plan(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    sites: Sequence[Any],
+    config: Any,
+    *,
+    tolerance: float,
+    max_loop_steps: int,
+    refine: bool,
+    max_rounds: int = 3,
+) -> tuple[Plan | None, bool | None]:
+    """``diagnose``'s fix as a plan: every matmul site at the precision it ran
+    in, the ones that broke one step wider (float8 -> 16-bit -> float32);
+    with ``refine``, re-run and raised again until none breaks. Returns the
+    plan (``None`` without matmul sites) and whether the last run was free of
+    broken sites (``None``: not re-run)."""
+    from mixprec._src.autocast.config import make_config
+    from mixprec._src.numerics.diagnose import _evaluate
+
+    given = config.plan
+    base = config.policy if given is None else given.base
+    keys = list(
+        dict.fromkeys(  # in program order
+            (s.site[0], s.site[1], int(s.site[2]))
+            for s in sites
+            if s.site is not None and s.site[2] is not None and not s.backward
+        )
+    )
+    if not keys:
+        return None, None
+
+    def current(p: Plan | None, key: tuple[str, str, int]) -> Policy:
+        return p.policy_for(*key) if p is not None else base
+
+    policies = {k: current(given, k) for k in keys}
+    seen: dict[tuple[str, str, int], tuple[str, int]] = {}
+    for s in sites:
+        if s.site is not None and s.site[2] is not None and not s.backward:
+            key = (s.site[0], s.site[1], int(s.site[2]))
+            source, flops = seen.get(key, (s.source, 0))
+            seen[key] = (source, flops + int(s.flops))
+    broken = broken_sites(sites, tolerance)
+    verified: bool | None = None
+    for round_ in range(max_rounds + 1):
+        hit = {
+            k
+            for k in keys
+            if (k in broken or (k[0], k[1], None) in broken)
+            and runs_as(policies[k]) != "float32"
+        }
+        if not hit:
+            verified = True  # the last run (the first, or a re-run) is clean
+            break
+        for k in hit:
+            policies[k] = _raised(policies[k])
+        if not refine or round_ == max_rounds:
+            verified = False if refine else None
+            break
+        trial = _as_plan(base, keys, policies, given, seen)
+        cfg = make_config(trial, mode=config.mode, lists=config.lists).resolved()
+        ev, _, _ = _evaluate(fn, args, cfg, max_loop_steps)
+        broken = broken_sites(list(ev.sites.values()), tolerance)
+    return _as_plan(base, keys, policies, given, seen), verified
+
+
+def _as_plan(
+    base: Policy,
+    keys: Sequence[tuple[str, str, int]],
+    policies: Mapping[tuple[str, str, int], Policy],
+    given: Plan | None,
+    seen: Mapping[tuple[str, str, int], tuple[str, int]],
+) -> Plan:
+    sites = tuple(
+        Site(
+            *k,
+            policy=str(policies[k]),
+            chosen=str(policies[k]),
+            source=seen.get(k, ("", 0))[0],
+            flops=seen.get(k, ("", 0))[1],
+        )
+        for k in keys
+    )
+    rules = () if given is None else given.rules
+    return Plan(base, sites=sites, rules=rules)
