@@ -302,6 +302,25 @@ def loss_scaled(
         )
         new_updates, new_s = guarded.update(updates, s, params, **extra_args)
         s = cast(optax.ApplyIfFiniteState, new_s)
+        if axis_name is not None:
+            # `apply_if_finite` counts from its own check of this device's
+            # (poisoned) updates: the global verdict's value, but in
+            # `shard_map` typed as varying over the axis wherever the updates
+            # are (sharded parameters), which `check_vma` refuses for a
+            # replicated output. Count from the global verdict, replicated.
+            s = s._replace(
+                notfinite_count=jnp.where(
+                    finite,
+                    jnp.zeros([], jnp.int32),
+                    optax.safe_increment(state.num_consecutive_skipped),
+                ),
+                last_finite=finite,
+                total_notfinite=jnp.where(
+                    finite,
+                    state.num_skipped,
+                    optax.safe_increment(state.num_skipped),
+                ),
+            )
         loss_scale = state.loss_scale.adjust(finite)
         at_floor = jnp.where(
             _at_floor(loss_scale),

@@ -133,3 +133,27 @@ def test_cpu_miscompile_workaround_turns_off_the_ynn_fusion():
     assert "__ynn_fusion" not in compiled.as_text()
     out = compiled(*args)
     assert out.dtype == jnp.bfloat16 and bool(jnp.isfinite(out).all())
+
+
+def test_eval_closed_jaxpr_takes_numpy_arguments_in_a_trace():
+    # An autocast function called twice inside one jit runs its cached jaxpr
+    # with the NumPy argument as a constant of the caller's trace.
+    ag = mixprec.autocast(lambda c, x: x * c, "mixed_bfloat16")
+    c = np.float64(2.0) * np.ones(4)  # not canonical: float64
+    out = jax.jit(lambda x: ag(c, x) + ag(c, x))(jnp.ones(4))
+    np.testing.assert_array_equal(out, np.full(4, 4.0))
+    assert out.dtype == jnp.float32
+
+
+def test_match_vma_makes_operands_vary_alike():
+    mesh = jax.make_mesh((2,), ("i",), axis_types=(jax.sharding.AxisType.Auto,))
+    seen = []
+
+    def f(x):
+        a, b = _compat.match_vma([x, np.float32(1.0)])
+        seen.append([_compat.varying_axes(jax.typeof(v)) for v in (a, b)])
+        return lax.add(a, b)
+
+    g = jax.shard_map(f, mesh=mesh, in_specs=jax.P("i"), out_specs=jax.P("i"))
+    np.testing.assert_array_equal(jax.jit(g)(jnp.zeros(4)), np.ones(4))
+    assert seen == [[frozenset({"i"}), frozenset({"i"})]]

@@ -301,6 +301,22 @@ def call_transformed(key: Any, fn: Callable[..., Any], operands: Sequence[Any]) 
     return call(*operands)
 
 
+def match_vma(operands: Sequence[Any]) -> list[Any]:
+    """``operands`` made varying over every manual axis one of them varies over
+    (inside a ``shard_map`` under its default ``check_vma``; unchanged
+    elsewhere), as JAX's ``lax`` functions make the operands of an elementwise
+    op. A primitive bound directly (an equation of a jaxpr traced outside the
+    ``shard_map``, bound as written) is refused when they differ."""
+    return list(_core.auto_insert_reshard(*operands)) if operands else []
+
+
+def varying_axes(aval: Any) -> frozenset[Any]:
+    """The manual mesh axes ``aval`` varies over (inside ``shard_map``; empty
+    elsewhere, and where JAX does not check replication)."""
+    mat = getattr(aval, "mat", None)
+    return frozenset() if mat is None else frozenset(mat.varying)
+
+
 def bind_transformed(prim: Any, operands: Sequence[Any], params: dict[str, Any]) -> Any:
     """``prim.bind(*operands, **params)``, through :func:`call_transformed`; a
     scalar operand (a jaxpr's literal) is part of the operation, as it would

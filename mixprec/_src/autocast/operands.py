@@ -268,8 +268,8 @@ def run_own(
     line), so that the report lists every op the program runs."""
     env: dict[Any, Any] = {own.jaxpr.invars[0]: x}
     for eqn in own.jaxpr.eqns:
-        invals = [jaxprs.read(env, v) for v in eqn.invars]
-        outs = jaxprs.bind_as_written(eqn, invals)
+        invals = _compat.match_vma([jaxprs.read(env, v) for v in eqn.invars])
+        outs = _bind_own(eqn, invals)
         env.update(zip(eqn.outvars, outs, strict=True))
         if walk.observer is None:
             continue
@@ -282,6 +282,32 @@ def run_own(
         walk.observer.on_own(walk, _shown_eqn(user, eqn), decision, ran, invals, outs)
     [out] = [jaxprs.read(env, v) for v in own.jaxpr.outvars]
     return out
+
+
+def _bind_own(eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
+    """One equation of an own jaxpr bound on ``invals``.
+
+    Own jaxprs are traced outside any ``shard_map``: their constants are
+    replicated where ``x`` may vary over manual axes, so the operands are made
+    to vary alike (:func:`~mixprec._src._compat.match_vma`, as JAX's ``lax``
+    functions do), and a nested ``jit`` (``jnp.where``'s) whose body was traced
+    replicated runs inline where its operands vary: bound as it is, its
+    results would be typed replicated, and its transpose refuses the varying
+    cotangents it then receives.
+    """
+    closed = eqn.params.get("jaxpr") if eqn.primitive.name in ("jit", "pjit") else None
+    if closed is None or not any(
+        _compat.varying_axes(_compat.get_aval(x)) - _compat.varying_axes(aval)
+        for x, aval in zip(invals, closed.in_avals, strict=True)
+    ):
+        return jaxprs.bind_as_written(eqn, invals)
+    body = closed.jaxpr
+    env: dict[Any, Any] = dict(zip(body.constvars, closed.consts, strict=True))
+    env.update(zip(body.invars, invals, strict=True))
+    for e in body.eqns:
+        ins = _compat.match_vma([jaxprs.read(env, v) for v in e.invars])
+        env.update(zip(e.outvars, _bind_own(e, ins), strict=True))
+    return [jaxprs.read(env, v) for v in body.outvars]
 
 
 def _broadcast_to(x: Any, shape: Sequence[Any]) -> Any:
