@@ -7,6 +7,8 @@ so the scale, the skip counters and the flag are replicated even where the
 gradients are sharded (each device holding a different part).
 """
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -188,3 +190,25 @@ def test_data_parallel_trains_under_the_default_check(mesh, policy, axis_name):
     assert bool(mpo.loss_scale_stats(s2)["last_finite"])
     for leaf in jax.tree.leaves(p2) + [s2.loss_scale.loss_scale, s2.num_skipped]:
         _replicas_identical(leaf)
+
+
+def test_autocast_own_ops_vary_like_their_operand(mesh):
+    # autocast's own ops (saturations) are traced once, outside any shard_map:
+    # bound in a body on a varying value, their constants and a nested jit
+    # (`jnp.where`'s) must vary with it, or the check (and the transpose of
+    # the jit, under grad) refuses them.
+    from mixprec._src.autocast import operands
+
+    own = jax.make_jaxpr(lambda x: jnp.where(x > 1.0, 1.0, x))(
+        jax.ShapeDtypeStruct((4,), jnp.float32)
+    )
+    walk = types.SimpleNamespace(observer=None)
+
+    def f(x):
+        return jnp.sum(operands.run_own(walk, None, own, x * 2.0, reason=""))  # pyright: ignore[reportArgumentType]
+
+    g = jax.jit(
+        jax.shard_map(jax.grad(f), mesh=mesh, in_specs=P("data"), out_specs=P("data"))
+    )
+    x = jnp.linspace(0.0, 1.0, 4 * N_DEV)
+    np.testing.assert_array_equal(g(x), np.where(2 * np.asarray(x) > 1, 0.0, 2.0))
