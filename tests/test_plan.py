@@ -484,3 +484,76 @@ def test_explain_names_each_products_site_without_a_plan():
         ("l2", "dot_general", 0),
     }
     assert all(op.site is None for op in ops.ops if op.primitive != "dot_general")
+
+
+# ------------------------------------------------------------------ command line
+
+_TARGET = """
+import jax, jax.numpy as jnp
+
+
+def loss(w, x):
+    with jax.named_scope("hidden"):
+        h = jnp.tanh(x @ w["a"])
+    with jax.named_scope("out"):
+        return jnp.mean((h @ w["b"]) ** 2)
+
+
+def loss_example_args():
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    w = {"a": jax.random.normal(k1, (128, 128)) / 11,
+         "b": jax.random.normal(k2, (128, 128)) / 11}
+    return w, jax.random.normal(k3, (128, 128))
+"""
+
+
+def _cli(capsys, argv):
+    from mixprec._src.cli.main import main
+
+    status = main(argv)
+    out = capsys.readouterr()
+    return status, out.out, out.err
+
+
+def test_cli_plan_writes_a_plan_that_inspect_and_diagnose_take(capsys, tmp_path):
+    target = tmp_path / "model.py"
+    target.write_text(_TARGET)
+    out_file = tmp_path / "plan.json"
+    status, out, err = _cli(
+        capsys,
+        ["plan", f"{target}:loss", "-o", str(out_file), "--platform", "cpu"],
+    )
+    assert status == 0, err
+    assert "hidden" in out and f"wrote {out_file}" in out
+    plan = mixprec.Plan.load(out_file)
+    assert plan.platform == "cpu" and len(plan.sites) == 2
+    edited = plan.with_site_policy("out", "dot_general", 0, "float32")
+    edited.save(out_file)
+    status, out, err = _cli(
+        capsys, ["inspect", f"{target}:loss", "--plan", str(out_file), "--json"]
+    )
+    assert status == 0, err
+    ops = [op for op in json.loads(out)["ops"] if op["primitive"] == "dot_general"]
+    assert [op["in_dtypes"][1] for op in ops] == ["float8_e4m3fn", "float32"]
+    status, out, err = _cli(
+        capsys, ["diagnose", f"{target}:loss", "--plan", str(out_file), "--json"]
+    )
+    assert status == 0, err
+    assert (
+        json.loads(out)["suggested_plan"]["sites"][1]["policy"] == "p=f32,c=f32,o=f32"
+    )
+
+
+def test_cli_plan_flags_are_checked(capsys, tmp_path):
+    target = tmp_path / "model.py"
+    target.write_text(_TARGET)
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": 1, "base": "mixed_f9"}')
+    status, _, err = _cli(capsys, ["inspect", f"{target}:loss", "--plan", str(bad)])
+    assert status == 2 and "--plan" in err and "unknown policy 'mixed_f9'" in err
+    status, _, err = _cli(capsys, ["plan", f"{target}:loss", "--platform", "tpu9"])
+    assert status == 2 and "--platform" in err and "h100" in err
+    status, _, err = _cli(
+        capsys, ["plan", f"{target}:loss", "--candidates", "mixed_f9"]
+    )
+    assert status == 2 and "--candidates" in err

@@ -497,6 +497,14 @@ def _add_numerics(sub: argparse._SubParsersAction) -> None:
             help="modify_mixlist JSON text or path to a JSON file",
         )
         p.add_argument(
+            "--plan",
+            default=None,
+            metavar="FILE",
+            help="a precision plan (JSON, from `mixprec plan` or written by hand): "
+            "a policy per matmul site, its base policy for the rest; replaces "
+            "--policy",
+        )
+        p.add_argument(
             "--json", action="store_true", help="print JSON instead of tables"
         )
         p.add_argument(
@@ -551,6 +559,63 @@ def _add_numerics(sub: argparse._SubParsersAction) -> None:
         "turns NaN",
     )
     diagnose.set_defaults(func=_run_diagnose)
+    _add_plan(sub)
+
+
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    plan = sub.add_parser(
+        "plan",
+        help="measure each matmul site of a loss under candidate policies and "
+        "write a precision plan",
+        description="Run mixprec.plan(fn, *example_args) and write the plan as "
+        "JSON.\n\n" + _TARGET_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    plan.add_argument("target", help="module:function or path/to/file.py:function")
+    plan.add_argument(
+        "--args",
+        dest="example_args",
+        default=None,
+        metavar="NAME",
+        help="callable returning example arguments (NAME or module:NAME); "
+        "default: <function>_example_args or example_args in the module",
+    )
+    plan.add_argument(
+        "--candidates",
+        nargs="+",
+        default=["mixed_float8", "mixed_bfloat16", "float32"],
+        metavar="POLICY",
+        help="candidate policies (default: %(default)s)",
+    )
+    plan.add_argument(
+        "--tolerance",
+        type=_positive_float,
+        default=None,
+        metavar="T",
+        help="largest effect of one site on the loss or gradients (default: "
+        "mixprec.plan's)",
+    )
+    plan.add_argument(
+        "--platform",
+        default="h100",
+        help="throughput table the costs come from (default: %(default)s)",
+    )
+    plan.add_argument(
+        "--argnums",
+        type=_non_negative_int,
+        nargs="+",
+        default=[0],
+        metavar="I",
+        help="arguments the gradients are taken of (default: 0)",
+    )
+    plan.add_argument(
+        "-o", "--out", default="plan.json", metavar="FILE", help="where to write it"
+    )
+    plan.add_argument("--json", action="store_true", help="print the JSON too")
+    plan.add_argument(
+        "--verbose", "-v", action="store_true", help="full tracebacks on errors"
+    )
+    plan.set_defaults(func=_run_plan)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -706,6 +771,12 @@ def _run_diagnose(args: argparse.Namespace) -> int:
     from . import numerics
 
     return numerics.run_diagnose(args)
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from . import numerics
+
+    return numerics.run_plan(args)
 
 
 if __name__ == "__main__":  # pragma: no cover

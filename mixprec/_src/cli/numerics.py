@@ -500,10 +500,24 @@ def _check_mode_and_mixlist(args: argparse.Namespace) -> None:
             raise UsageError("--mixlist", str(e)) from None
 
 
+def _load_plan(path: str) -> Any:
+    """``--plan FILE`` as a :class:`mixprec.Plan`; a bad file is a usage
+    error naming the flag."""
+    import mixprec
+
+    try:
+        return mixprec.Plan.load(path)
+    except OSError as e:
+        raise UsageError("--plan", f"cannot read {path!r}: {e.strerror}") from None
+    except (ValueError, TypeError) as e:
+        raise UsageError("--plan", str(e)) from None
+
+
 def _prepare(
     args: argparse.Namespace,
 ) -> tuple[Callable[..., Any], tuple[Any, ...], Any, tuple[str, ...]]:
-    policy = _policy(args)
+    plan = getattr(args, "plan", None)
+    policy = _policy(args) if plan is None else _load_plan(plan)
     _check_mode_and_mixlist(args)
     fn, fn_args = load_target(args.target, args.example_args)
     _check_example_args(args.target, fn, fn_args)
@@ -579,3 +593,54 @@ def run_diagnose(args: argparse.Namespace) -> int:
         )
         _print("Advice:\n" + report.advice())
     return EXIT_PROBLEMS if (args.fail_on_problems and not report.ok) else EXIT_OK
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """``mixprec plan``: runs :func:`mixprec.plan` on the target, prints the
+    plan and writes it to ``--out``.
+
+    Returns:
+      0 (an error raises :class:`CLIError`).
+    """
+    import mixprec
+
+    from ..numerics import plan as planner
+
+    if args.platform not in planner.THROUGHPUT:
+        raise UsageError(
+            "--platform", unknown_choice("platform", args.platform, planner.THROUGHPUT)
+        )
+    for c in args.candidates:
+        try:
+            mixprec.get_policy(c)
+        except (ValueError, TypeError) as e:
+            raise UsageError("--candidates", str(e)) from None
+    argnums = args.argnums[0] if len(args.argnums) == 1 else tuple(args.argnums)
+    tolerance = planner.DEFAULT_TOLERANCE if args.tolerance is None else args.tolerance
+    with target_imports(args.target, args.example_args):
+        fn, fn_args = load_target(args.target, args.example_args)
+        _check_example_args(args.target, fn, fn_args)
+        roots = _roots_of(args.target, args.example_args)
+        plan = _report(
+            lambda: mixprec.plan(
+                fn,
+                *fn_args,
+                candidates=tuple(args.candidates),
+                tolerance=tolerance,
+                platform=args.platform,
+                argnums=argnums,
+            ),
+            args,
+            roots,
+        )
+    if not plan.sites:
+        raise TargetError(
+            f"{args.target!r} has no matmul-like op (dot_general, convolution) on "
+            "its array arguments: a plan would have no site."
+        )
+    plan.save(args.out)
+    _print(str(plan))
+    if args.json:
+        _print(plan.to_json())
+    _print(f"wrote {args.out}")
+    return EXIT_OK

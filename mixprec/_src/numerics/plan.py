@@ -297,13 +297,29 @@ def plan(
     ref = _value_and_grad(loss_fn, argnums, loss_scale)(*args)
     from mixprec._src.autocast.api import autocast
 
-    float32 = "float32" if "float32" in names else names[-1]
+    float32 = next(c for c in names if runs_as(c) == "float32")
     for key, f in found.items():
         for c in names:
             m = f.measured.setdefault(c, {})
             m["runs_as"] = f.runs.get(c, runs_as(c))
-            if runs_as(c) == "float32":
+            if m["runs_as"] == "float32":
                 m.update(loss_error=0.0, grad_error=0.0, effect=0.0)
+                continue
+            # A candidate that runs this site as another candidate does (a
+            # float8 policy's product its recipe keeps in bfloat16) runs the
+            # same program: its measurement is that one's.
+            same = next(
+                (
+                    o
+                    for o in names[: names.index(c)] + names[names.index(c) + 1 :]
+                    if f.measured.get(o, {}).get("runs_as") == m["runs_as"]
+                    and "effect" in f.measured[o]
+                ),
+                None,
+            )
+            if same is not None:
+                for name in ("loss_error", "grad_error", "effect"):
+                    m[name] = f.measured[same][name]
                 continue
             alone = Plan(get_policy(float32), sites=(Site(*key, policy=c),))
             got = _value_and_grad(
@@ -317,9 +333,15 @@ def plan(
     sites = []
     for key, f in found.items():
         ok = [c for c in names if _passes(f.measured.get(c, {}), tolerance)]
+        # The cheapest; among equally cheap ones, one that runs the site as
+        # its name says (not a float8 policy whose recipe keeps it 16-bit).
         chosen = min(
             ok,
-            key=lambda c: (f.flops / table[f.runs.get(c, runs_as(c))], names.index(c)),
+            key=lambda c: (
+                f.flops / table[f.runs.get(c, runs_as(c))],
+                f.runs.get(c, runs_as(c)) != runs_as(c),
+                names.index(c),
+            ),
         )
         sites.append(
             Site(
