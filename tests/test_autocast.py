@@ -951,17 +951,17 @@ def test_float32_ops_taken_as_traced_stage_what_deciding_them_stages(
         return str(closed), sources
 
     taken = []
-    as_traced = interpreter._as_traced
+    as_traced = interpreter.runs_as_traced
 
     def counting(*args):
         found = as_traced(*args)
         taken.append(found)
         return found
 
-    monkeypatch.setattr(interpreter, "_as_traced", counting)
+    monkeypatch.setattr(interpreter, "runs_as_traced", counting)
     fast, fast_sources = staged()
     assert sum(taken) > len(taken) // 4, (sum(taken), len(taken))
-    monkeypatch.setattr(interpreter, "_as_traced", lambda *args: False)
+    monkeypatch.setattr(interpreter, "runs_as_traced", lambda *args: False)
     slow, slow_sources = staged()
     assert fast == slow
     assert fast_sources == slow_sources

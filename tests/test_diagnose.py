@@ -728,7 +728,7 @@ class _Stepper:
     value as written beside the walk's (as diagnose does) and records what the
     walk shows it."""
 
-    fuses_attention = False
+    fuses = False
 
     def __init__(self, *, steps, max_loop_steps=100):
         self.steps = steps

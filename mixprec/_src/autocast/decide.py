@@ -136,6 +136,8 @@ __all__ = [
     "decide_eqn",
     "out_marks",
     "product_request",
+    "decided_as",
+    "runs_as_traced",
 ]
 
 #: The value is broadcast into its consumers (bias, scale, scalar): it follows.
@@ -204,6 +206,9 @@ class Decision:
             ``"symbolic"`` (``None`` otherwise).
         float8_gradients: for :attr:`Precision.FLOAT8`, which operands are
             gradients (they take the recipe's gradient format and scales).
+        request: for a matmul-like op decided low or float8, how it runs
+            (:func:`product_request`, made with the decision: the product's
+            rule reads it and decides nothing).
 
     Examples:
         >>> d = Decision(Precision.LOW, np.dtype("bfloat16"), "allow", "allow list")
@@ -220,6 +225,9 @@ class Decision:
     operand_dtypes: tuple[np.dtype, ...] | None = None
     float8_skip: tuple[str, str] | None = None
     float8_gradients: tuple[bool, ...] | None = None
+    request: ProductRequest | None = dataclasses.field(
+        default=None, compare=False, repr=False
+    )
 
     @property
     def label(self) -> str:
@@ -778,6 +786,66 @@ def _is_square(eqn: JaxprEqn, producer: Callable[[Any], JaxprEqn | None]) -> boo
     return same_value(a, b, producer)
 
 
+def decided_as(
+    eqn: JaxprEqn,
+    spec: ops.OpSpec | None,
+    producer: Callable[[Any], JaxprEqn | None],
+) -> tuple[str, ops.OpSpec | None]:
+    """The name and op-table entry ``eqn`` is decided as: its own, except that
+    a ``mul`` of a value by itself is a ``square`` (denied under float16 for
+    its range)."""
+    name = eqn.primitive.name
+    if name == "mul" and _is_square(eqn, producer):
+        return "square", ops.spec_for("square")
+    return name, spec
+
+
+# Ops decided by their own entry, not by their operands' dtypes.
+_OWN_DECISION: Final = frozenset([ops.FUSION, ops.OPAQUE])
+
+
+def runs_as_traced(
+    region: Region, eqn: JaxprEqn, spec: ops.OpSpec | None, invals: Sequence[Any]
+) -> bool:
+    """Whether :func:`decide_eqn` would keep ``eqn`` as it was traced, known
+    without deciding it: an op of the default rule, outside composites,
+    decided by its operands' dtypes (not a fusion or an opaque op), whose
+    floating operands all arrive in float32 as traced (none a product's wide
+    result an epilogue may take), where :func:`decide` keeps such an op as
+    traced (:func:`keeps_float32`, asked once per op and setting). What a
+    whole train step's float32 optimizer update and most of its backward pass
+    are made of: the walk's fast lane."""
+    if region.composite or ops.rule_for(spec) is not None:
+        return False
+    if spec is not None and spec.flags & _OWN_DECISION:
+        return False
+    cfg = region.config
+    n_floats = 0
+    wide = region.facts.wide
+    for v, x in zip(eqn.invars, invals, strict=True):
+        dt = float_dtype(x)
+        if dt is None:
+            continue
+        if dt != _F32 or (wide and type(v) is not Literal and v in wide):
+            return False
+        n_floats += 1
+    name, spec = decided_as(eqn, spec, region.producer)
+    try:
+        op_class = cfg.lists.classify(name, strict=cfg.strict and spec is None)
+    except NotImplementedError:
+        return False  # in no list under `strict`: `decide_eqn` raises for it
+    return keeps_float32(
+        name,
+        n_floats,
+        op_class=op_class,
+        mode=cfg.mode,
+        low=np.dtype(cfg.low_dtype),
+        flags=spec.flags if spec is not None else frozenset(),
+        backward=region.backward,
+        reduce=cfg.policy.reduce_dtype,
+    )
+
+
 def _asks_high_precision(eqn: JaxprEqn) -> bool:
     precision = eqn.params.get("precision")
     if precision is None:
@@ -964,6 +1032,26 @@ def decide_eqn(
         NotImplementedError: under ``strict``, for an op in no list and
             without a rule.
     """
+    d = _decide_eqn(region, eqn, spec, invals, marks)
+    if (
+        spec is not None
+        and spec.product is not None
+        and d.precision in (Precision.LOW, Precision.FLOAT8)
+    ):
+        request = product_request(
+            d, region.config, invals, marks, backward=region.backward
+        )
+        d = dataclasses.replace(d, request=request)
+    return d
+
+
+def _decide_eqn(
+    region: Region,
+    eqn: JaxprEqn,
+    spec: ops.OpSpec | None,
+    invals: Sequence[Any],
+    marks: Sequence[int],
+) -> Decision:
     name = eqn.primitive.name
     cfg = region.config
     if spec is not None and ops.FUSION in spec.flags:
@@ -986,9 +1074,7 @@ def decide_eqn(
         )
     if spec is not None and ops.OPAQUE in spec.flags:
         return Decision(Precision.ORIGINAL, None, "clear", spec.reason)
-    if name == "mul" and _is_square(eqn, region.producer):
-        name = "square"
-        spec = ops.spec_for("square")
+    name, spec = decided_as(eqn, spec, region.producer)
     lookup = region.composite or name
     op_class = cfg.lists.classify(lookup)
     flags = spec.flags if spec is not None and not region.composite else frozenset()

@@ -71,7 +71,7 @@ from mixprec._src.autocast.decide import (
     Precision,
     decide_epilogue,
     decide_eqn,
-    keeps_float32,
+    runs_as_traced,
     literal_mark,
     out_marks,
 )
@@ -121,8 +121,6 @@ __all__ = [
 siu.register_exclusion(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
 
 _F32 = np.dtype(np.float32)
-# Ops decided by their own entry, not by their operands' dtypes.
-_OWN_DECISION = frozenset([ops.FUSION, ops.OPAQUE])
 
 bind_as_written = jaxprs.bind_as_written
 
@@ -135,6 +133,12 @@ class Observer(Protocol):
     #: taken, call bodies walked in place, so that the observer sees every
     #: iteration (``diagnose``). ``False``: each runs its rule (``explain``).
     steps: bool
+    #: The rewrite passes (:mod:`~mixprec._src.autocast.rewrites`) run on the
+    #: jaxprs the walk enters: the observer sees a fused op as one equation
+    #: (``explain``). ``False``: it sees the equations a fusion would replace
+    #: (``diagnose``, which compares op by op; on its CPU the fused
+    #: formulation is those same ops).
+    fuses: bool
 
     def on_eqn(
         self,
@@ -337,7 +341,7 @@ class Walk:
     def rewrites(self) -> bool:
         """Whether the rewrite passes run on the jaxprs this walk enters
         (not for an observer that compares op by op, such as ``diagnose``)."""
-        return getattr(self.observer, "fuses_attention", True)
+        return self.observer is None or self.observer.fuses
 
     @property
     def key(self) -> tuple[Any, ...]:
@@ -631,12 +635,12 @@ def _taken_as_traced(
     walk: Walk, eqn: JaxprEqn, invals: Sequence[Any], marks: Sequence[int]
 ) -> tuple[list[Any], list[int]] | None:
     """The results and marks of ``eqn`` recorded as it was traced (in its own
-    source context), where :func:`_as_traced` says it runs that way and
+    source context), where :func:`~mixprec._src.autocast.decide.runs_as_traced` says it runs that way and
     nothing watches the walk; ``None`` otherwise (:func:`run_eqn` runs it)."""
     if walk.observer is not None or jaxprs.has_jaxpr_params(eqn.params):
         return None
     spec = ops.spec_for(eqn.primitive.name)
-    if (spec is not None and spec.is_higher_order) or not _as_traced(
+    if (spec is not None and spec.is_higher_order) or not runs_as_traced(
         walk, eqn, spec, invals
     ):
         return None
@@ -645,56 +649,6 @@ def _taken_as_traced(
         return None
     n = len(eqn.outvars)
     return outs, out_marks(spec, eqn, marks, n, walk.backward, walk)
-
-
-def _as_traced(
-    walk: Walk, eqn: JaxprEqn, spec: ops.OpSpec | None, invals: Sequence[Any]
-) -> bool:
-    """Whether ``eqn`` runs as it was traced without asking :func:`decide_eqn`:
-    an op of the default rule, outside composites, decided by its operands'
-    dtypes (not a fusion or an opaque op), whose floating operands all arrive
-    in float32 as traced (none a product's wide result an epilogue may take),
-    where :func:`decide` keeps such an op as traced
-    (:func:`~mixprec._src.autocast.decide.keeps_float32`, asked once per op
-    and setting). What a whole train step's float32 optimizer update and most
-    of its backward pass are made of."""
-    if walk.composite or ops.rule_for(spec) is not None:
-        return False
-    if spec is not None and spec.flags & _OWN_DECISION:
-        return False
-    cfg = walk.config
-    n_floats = 0
-    wide = walk.facts.wide
-    for v, x in zip(eqn.invars, invals, strict=True):
-        dt = float_dtype(x)
-        if dt is None:
-            continue
-        if dt != _F32 or (wide and type(v) is not Literal and v in wide):
-            return False
-        n_floats += 1
-    name = eqn.primitive.name
-    # (`decide_eqn` decides a `mul` of a value by itself as a `square`.)
-    for lookup in (name, "square") if name == "mul" else (name,):
-        lookup_spec = spec if lookup == name else ops.spec_for(lookup)
-        try:
-            op_class = cfg.lists.classify(
-                lookup, strict=cfg.strict and lookup_spec is None
-            )
-        except NotImplementedError:
-            return False  # in no list under `strict`: `decide_eqn` raises for it
-        flags = lookup_spec.flags if lookup_spec is not None else frozenset()
-        if not keeps_float32(
-            lookup,
-            n_floats,
-            op_class=op_class,
-            mode=cfg.mode,
-            low=np.dtype(cfg.low_dtype),
-            flags=flags,
-            backward=walk.backward,
-            reduce=cfg.policy.reduce_dtype,
-        ):
-            return False
-    return True
 
 
 @contextlib.contextmanager

@@ -82,7 +82,9 @@ def saturate_mask(x: Any, dtype: Any) -> Any:
         arr = np.asarray(x)
         out = np.where(arr > big, half, np.where(arr < -big, -half, arr))
         return out.astype(arr.dtype)
-    return jnp.where(x > big, half, jnp.where(x < -big, -half, x)).astype(x.dtype)
+    # (lax, not jnp.where: its ops are reported one by one, as run.)
+    below = lax.select(lax.lt(x, lax.full_like(x, -big)), lax.full_like(x, -half), x)
+    return lax.select(lax.gt(x, lax.full_like(x, big)), lax.full_like(x, half), below)
 
 
 def cast(x: Any, dtype: Any, *, saturate: bool = False) -> Any:

@@ -554,7 +554,7 @@ def _rel_error(a: np.ndarray, b: np.ndarray) -> float:
     both = fa & fb
     if not both.any():
         return 0.0
-    num = float(np.linalg.norm((b - a)[both]))
+    num = float(np.linalg.norm(b[both] - a[both]))
     den = float(np.linalg.norm(a[both]))
     if den == 0.0:
         return 0.0 if num == 0.0 else math.inf
@@ -574,12 +574,11 @@ class _Comparer:
     compared. Measurements accumulate per op site (equation and path), in one
     :class:`OpDiagnosis` each.
 
-    It compares op by op, so the walk does not fuse attention for it
-    (``fuses_attention``): on the CPU that ``diagnose`` runs on, the fused
-    formulation is those same ops.
+    It compares op by op, so the walk runs no fusion for it (``fuses``): on
+    the CPU that ``diagnose`` runs on, a fused formulation is those same ops.
     """
 
-    fuses_attention = False
+    fuses = False
     steps = True
 
     def __init__(self, *, max_loop_steps: int) -> None:

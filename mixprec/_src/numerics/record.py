@@ -531,6 +531,8 @@ class Recorder:
     #: The walk traces (``explain`` observes the walk autocast stages out):
     #: each higher-order equation runs its rule, bodies are walked once.
     steps = False
+    #: It sees what autocast runs: a fused op as one equation.
+    fuses = True
 
     def __init__(self) -> None:
         self.records: list[OpRecord] = []

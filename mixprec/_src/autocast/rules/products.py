@@ -1,10 +1,11 @@
 """The rule of matmul-like ops: every op whose table entry has a ``Product``.
 
-The rule decides nothing: :func:`~mixprec._src.autocast.decide.product_request`
-turns the equation's decision into one
+The rule decides nothing: the equation's decision carries its
 :class:`~mixprec._src.autocast.request.ProductRequest` (low, out and reduce
 dtypes, float8 recipe and formats, platform, CPU formulation, live operands),
-and the entry's formulation receives it as its one argument,
+made with the decision (:func:`~mixprec._src.autocast.decide.product_request`
+inside :func:`~mixprec._src.autocast.decide.decide_eqn`), and the entry's
+formulation receives it as its one argument,
 ``formulation(request, lhs, rhs, *extra, **params)``, as a rule receives its
 context. A product decided low runs its entry's 16-bit formulation
 (:mod:`mixprec._src.autocast.dots`, written per platform); one decided float8
@@ -29,7 +30,6 @@ import numpy as np
 from jax import lax
 
 from mixprec._src.autocast import dots, interpreter as itp, ops
-from mixprec._src.autocast.decide import product_request
 from mixprec._src.autocast.interpreter import CastContext
 from mixprec._src.autocast.request import ProductRequest
 
@@ -88,9 +88,7 @@ def _product_rule(
     spec = ops.spec_for(ctx.eqn.primitive.name)
     assert spec is not None and spec.product is not None
     product = spec.product
-    request = product_request(
-        ctx.decision, ctx.config, (lhs, rhs), ctx.marks, backward=ctx.walk.backward
-    )
+    request = ctx.decision.request
     if request is None:
         return itp.default_rule(ctx.eqn.primitive, ctx, lhs, rhs, *extra, **params)
     if request.is_float8:
