@@ -52,18 +52,26 @@ from ._src.compact.optimizer import (
     CompactState as CompactState,
     compact_params as compact_params,
     compact_state as compact_state,
+    decode_compact_state as decode_compact_state,
     master_params as master_params,
+)
+from ._src.compact.report import (
+    CompactStateReport as CompactStateReport,
+    describe_compact_state as describe_compact_state,
 )
 from ._src.loss_scale import DynamicLossScale, LossScale, all_finite
 
 
 __all__ = [
     "CompactState",
+    "CompactStateReport",
     "LossScaleFloorWarning",
     "LossScaledState",
     "compact_params",
     "compact_state",
     "current_loss_scale",
+    "decode_compact_state",
+    "describe_compact_state",
     "loss_scale_stats",
     "loss_scaled",
     "master_params",

@@ -806,6 +806,302 @@ def test_restore_from_float32_and_into_another_tier(tmp_path):
     assert int(ss.inner_state[0].count) == int(s[0].count) == 3
 
 
+# ------------------------------------------------------------------ which leaves
+# A state leaf is compressed as a moment only where it is known to be one (a
+# field of an optax state type listed in `_src/compact/fields.py`); parameter
+# copies are stored as the weights are; anything else is kept as it is.
+
+
+def _tiers(tree):
+    """Path -> tier (a compressed leaf) or dtype name, of every leaf with a
+    dimension."""
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=mpo_is_compressed)[0]
+    return {
+        jax.tree_util.keystr(path): (
+            x.tier if mpo_is_compressed(x) else np.dtype(x.dtype).name
+        )
+        for path, x in flat
+        if np.ndim(x.codes if mpo_is_compressed(x) else x) >= 1
+    }
+
+
+def mpo_is_compressed(x):
+    return isinstance(x, codes.Compressed)
+
+
+def _copy_tier(weights):
+    return "bfloat16-sr" if weights == "bfloat16-sr" else "float32"
+
+
+def _square_params32():
+    k1, k2 = jax.random.split(jax.random.key(3))
+    return {
+        "w": jax.random.normal(k1, (128, 128)) * 0.05,
+        "b": jax.random.normal(k2, (128,)) * 0.05,
+    }
+
+
+_SAM_ADV = optax.chain(optax.contrib.normalize(), optax.sgd(0.05))
+# inner optimizer -> {path of the leaf in the inner state: what it is}; "m" a
+# moment (stored in the moment tier), "p" a parameter copy (stored as the
+# weights are), "k" kept as it is (float32).
+WHICH_LEAVES = {
+    "mechanize": (
+        lambda: optax.contrib.mechanize(optax.adam(1e-2)),
+        {
+            ".base_optimizer_state[0].mu['w']": "m",
+            ".base_optimizer_state[0].nu['b']": "m",
+            ".x0['w']": "p",
+            ".x0['b']": "p",
+            ".s": "k",
+            ".r": "k",
+        },
+    ),
+    "prodigy": (
+        optax.contrib.prodigy,
+        {
+            ".exp_avg['w']": "m",
+            ".exp_avg_sq['w']": "m",
+            ".params0['w']": "p",
+            ".params0['b']": "p",
+            ".grad_sum['w']": "k",
+        },
+    ),
+    "schedule_free_adamw": (
+        lambda: optax.contrib.schedule_free_adamw(1e-2),
+        {".base_optimizer_state[0].nu['w']": "m", ".z['w']": "p", ".z['b']": "p"},
+    ),
+    "sam": (
+        lambda: optax.contrib.sam(optax.adam(1e-2), _SAM_ADV),
+        {
+            ".opt_state[0].mu['w']": "m",
+            ".opt_state[0].nu['b']": "m",
+            ".cache['w']": "p",
+            ".cache['b']": "p",
+        },
+    ),
+    "multisteps": (
+        lambda: optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2),
+        {
+            ".inner_opt_state[0].mu['w']": "m",
+            ".acc_grads['w']": "k",
+            ".acc_grads['b']": "k",
+        },
+    ),
+    "adafactor": (
+        # `w` is factored: its row and column statistics have `b`'s shape.
+        lambda: optax.adafactor(1e-2),
+        {
+            "[0].v_row['w']": "k",
+            "[0].v_col['w']": "k",
+            "[0].v['w']": "k",  # a placeholder of shape (1,)
+            "[0].v['b']": "m",  # `b` is too small to factor
+        },
+    ),
+    "adamw": (
+        lambda: optax.adamw(1e-2),
+        {"[0].mu['w']": "m", "[0].nu['w']": "m", "[0].mu['b']": "m"},
+    ),
+    "sgd_momentum": (lambda: optax.sgd(1e-2, momentum=0.9), {"[0].trace['w']": "m"}),
+}
+
+
+@adam_promotion
+@pytest.mark.parametrize("weights", ["float32", "bfloat16-exact", "bfloat16-sr"])
+@pytest.mark.parametrize("name", WHICH_LEAVES)
+def test_only_known_moments_are_compressed(name, weights):
+    make, want = WHICH_LEAVES[name]
+    opt = _opt(weights, "int8", inner=make())
+    p32 = _square_params32()
+    params = mpo.compact_params(p32, weights)
+    state = opt.init(p32)
+
+    @jax.jit
+    def step(p, s, g):
+        u, s = opt.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    grads = jax.tree.map(lambda x: (0.01 * x).astype(x.dtype), params)
+    for s in (state, step(params, state, grads)[1]):
+        tiers = _tiers(s.inner_state)
+        expected = {
+            path: {"m": "int8", "p": _copy_tier(weights), "k": "float32"}[kind]
+            for path, kind in want.items()
+        }
+        assert {path: tiers[path] for path in want} == expected
+        # Nothing else is compressed but what the table lists.
+        described = mpo.describe_compact_state(s, params)
+        for record in described.leaves:
+            if record.kind == "kept":
+                assert record.stored == record.dtype, record
+
+
+@adam_promotion
+@pytest.mark.parametrize("name", ["mechanize", "prodigy"])
+def test_a_copy_of_the_initial_weights_is_the_weights(name):
+    # Initialised from float32 params, the copy is rounded as `compact_params`
+    # rounds the weights (to nearest), and later steps leave it exact.
+    make, _ = WHICH_LEAVES[name]
+    opt = _opt("bfloat16-sr", "int8", inner=make())
+    p32 = _square_params32()
+    params = mpo.compact_params(p32, "bfloat16-sr")
+    state = opt.init(p32)
+
+    @jax.jit
+    def step(p, s, g):
+        u, s = opt.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    for i in range(3):
+        params, state = step(params, state, _grads(i, p32))
+    inner = mpo.decode_compact_state(state)
+    copy = inner.x0 if name == "mechanize" else inner.params0
+    want = mpo.compact_params(p32, "bfloat16-sr")
+    for k in p32:
+        assert copy[k].dtype == jnp.float32
+        np.testing.assert_array_equal(
+            np.asarray(copy[k]), np.asarray(want[k].astype(jnp.float32))
+        )
+
+
+@adam_promotion
+def test_adam_moments_keep_their_codes():
+    # Adam's mu (signed) and nu (non-negative) still take the signed and the
+    # unsigned int8 code, encoded together per parameter.
+    p32 = _params32()
+    opt = _opt("bfloat16-sr", "int8")
+    params, state = mpo.compact_params(p32, "bfloat16-sr"), opt.init(p32)
+    _, state = jax.jit(opt.update)(_grads(0, p32), state, params)
+    mu, nu = state.inner_state[0].mu["w"], state.inner_state[0].nu["w"]
+    assert mu.tier == nu.tier == "int8"
+    assert bool(jnp.all(nu.scale < 0))  # negative scale: the unsigned code
+    assert bool(jnp.any(mu.scale > 0))
+    decoded = mpo.decode_compact_state(state)[0].mu["w"]
+    want = 0.1 * _grads(0, p32)["w"].astype(jnp.float32)
+    assert decoded.dtype == jnp.float32
+    err = float(jnp.mean(jnp.abs(decoded - want)))
+    assert err < 0.05 * float(jnp.mean(jnp.abs(want)))
+
+
+def test_an_unknown_state_is_kept_as_it_is():
+    class MyState(collections.namedtuple("MyState", ["stats"])):
+        pass
+
+    def init(params):
+        return MyState(jax.tree.map(jnp.zeros_like, params))
+
+    def update(updates, state, params=None):
+        del params
+        stats = jax.tree.map(lambda s, g: 0.9 * s + g, state.stats, updates)
+        return updates, MyState(stats)
+
+    opt = mpo.compact_state(
+        optax.GradientTransformation(init, update),
+        weights="float32",
+        moments="int8",
+        policy="float32",
+    )
+    p = {"w": jnp.ones((4, 64))}
+    state = opt.init(p)
+    _, state = opt.update(p, state, p)
+    assert _tiers(state.inner_state) == {".stats['w']": "float32"}
+    np.testing.assert_array_equal(np.asarray(state.inner_state.stats["w"]), 1.0)
+    (record,) = [r for r in mpo.describe_compact_state(state, p).leaves if r.shape]
+    assert (record.stored, record.kind, record.reason) == (
+        "float32",
+        "kept",
+        "unknown: kept as is",
+    )
+
+
+@adam_promotion
+def test_schedule_free_eval_params_through_the_decoded_state():
+    # Schedule-free models are evaluated at weights optax computes from the
+    # state (`schedule_free_eval_params`); it reads plain arrays.
+    p32 = _square_params32()
+    make = lambda: optax.contrib.schedule_free_adamw(1e-2, warmup_steps=5)  # noqa: E731
+    ref = make()
+    for weights in ("float32", "bfloat16-sr"):
+        opt = _opt(weights, "int8", inner=make())
+        p, s = mpo.compact_params(p32, weights), opt.init(p32)
+        rp, rs = p32, ref.init(p32)
+        for i in range(5):
+            g = _grads(i, p32)
+            u, s = jax.jit(opt.update)(
+                jax.tree.map(lambda x, q: x.astype(q.dtype), g, p), s, p
+            )
+            p = optax.apply_updates(p, u)
+            ru, rs = jax.jit(ref.update)(
+                jax.tree.map(lambda x: x.astype(jnp.float32), g), rs, rp
+            )
+            rp = optax.apply_updates(rp, ru)
+        master = mpo.master_params(p, s)
+        if weights == "bfloat16-sr":
+            with pytest.raises(TypeError):  # z is stored as the weights are
+                optax.contrib.schedule_free_eval_params(s.inner_state, master)
+        inner = mpo.decode_compact_state(s)
+        assert inner.z["w"].dtype == jnp.float32
+        got = jax.jit(optax.contrib.schedule_free_eval_params)(inner, master)
+        want = optax.contrib.schedule_free_eval_params(rs, rp)
+        assert_tree_dtypes(got, "float32")
+        atol = 2e-3 if weights == "float32" else 2e-2
+        for k in p32:
+            np.testing.assert_allclose(
+                np.asarray(got[k]), np.asarray(want[k]), rtol=0, atol=atol
+            )
+    # Inside other states (here `loss_scaled`'s), the one compact state's.
+    nested = mpo.loss_scaled(_opt("float32", "int8", inner=make())).init(p32)
+    assert mpo.decode_compact_state(nested).z["w"].dtype == jnp.float32
+
+
+def test_decode_compact_state_needs_exactly_one():
+    with pytest.raises(ValueError, match="decode_compact_state.*found 0"):
+        mpo.decode_compact_state(optax.adam(1e-3).init(jnp.zeros(3)))
+    with pytest.raises(ValueError, match="describe_compact_state.*no `CompactState`"):
+        mpo.describe_compact_state(optax.adam(1e-3), jnp.zeros(3))
+
+
+@adam_promotion
+def test_describe_lists_every_leaf_with_its_tier_reason_and_bytes():
+    p32 = {"w": jnp.zeros((512, 1024)), "b": jnp.zeros((1024,))}
+    inner = optax.contrib.prodigy()
+    opt = _opt("bfloat16-sr", "int8", inner=inner)
+    params = mpo.compact_params(p32, "bfloat16-sr")
+    report = mpo.describe_compact_state(opt, params)
+    state = opt.init(p32)
+    assert mpo.describe_compact_state(state, params) == report  # abstract = live
+    n = sum(x.size for x in jax.tree.leaves(p32))
+    flat = jax.tree.leaves(state, is_leaf=mpo_is_compressed)
+    assert len(report.leaves) == len(flat)
+    assert report.state_bytes == sum(x.nbytes for x in jax.tree.leaves(state))
+    assert report.bytes_per_param == pytest.approx(
+        state_bytes_per_param(params, params, state)
+    )
+    by_path = {r.path: r for r in report.leaves}
+    mu = by_path[".inner_state.exp_avg['w']"]
+    assert (mu.stored, mu.kind, mu.source) == ("int8", "moment", "ProdigyState.exp_avg")
+    assert mu.bytes == 512 * 1024 + 512 * 4 * 4
+    copy = by_path[".inner_state.params0['w']"]
+    assert (copy.stored, copy.kind, copy.bytes) == (
+        "bfloat16-sr",
+        "parameter copy",
+        512 * 1024 * 2,
+    )
+    kept = by_path[".inner_state.grad_sum['w']"]
+    assert (kept.stored, kept.kind) == ("float32", "kept")
+    assert "step-size estimate" in kept.reason
+    # 2 (weights) + 2 (grads) + 1 + 1 (moments) + 2 (params0) + 4 (grad_sum)
+    assert 12.0 < report.bytes_per_param < 12.1
+    text = str(report)
+    assert "parameter copy (ProdigyState.params0)" in text
+    assert text.splitlines()[-1] == report.summary()
+    d = report.to_dict()
+    assert d["leaves"][0]["path"] == ".step" and d["num_params"] == n
+    import json
+
+    json.dumps(d)  # JSON-serialisable
+
+
 # ------------------------------------------------------------------ errors
 
 

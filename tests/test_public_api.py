@@ -71,3 +71,21 @@ def test_api_docs_are_current():
     assert (root / "docs" / "api.md").read_text() == gen["render"](), (
         "docs/api.md is stale: run `python tools/gen_api_docs.py`"
     )
+
+
+def test_optax_compact_state_names_are_public_and_have_examples():
+    import mixprec.optax
+
+    compact = {
+        "CompactState",
+        "CompactStateReport",
+        "compact_params",
+        "compact_state",
+        "decode_compact_state",
+        "describe_compact_state",
+        "master_params",
+    }
+    assert compact <= set(mixprec.optax.__all__)
+    for name in mixprec.optax.__all__:
+        doc = getattr(mixprec.optax, name).__doc__ or ""
+        assert ">>>" in doc, f"mixprec.optax.{name} has no runnable example"

@@ -16,7 +16,7 @@ from jax import lax
 
 from .. import policy as policy_lib
 from .._errors import format_choices, suggest
-from . import bits as bits_lib, codes, state as state_lib
+from . import bits as bits_lib, codes, fields as fields_lib, state as state_lib
 from .state import CompactState
 
 
@@ -271,6 +271,64 @@ def master_params(params: Any, state: Any) -> Any:
     return jax.tree.map(bits_lib.join_exact, params, found[0].remainder)
 
 
+def _decode_inner(inner_state: Any) -> Any:
+    return jax.tree.map(
+        lambda c: _decode_leaf(c) if is_compressed(c) else c,
+        inner_state,
+        is_leaf=is_compressed,
+    )
+
+
+def decode_compact_state(state: Any) -> Any:
+    """The inner optimizer's own state, decoded from a compact state.
+
+    Every compressed leaf comes back in its own dtype (float32), every other
+    leaf as it is stored: the state the inner optimizer's ``update`` is given,
+    and the one that optax helpers reading an optimizer's state expect, such
+    as ``optax.contrib.schedule_free_eval_params``. Works under ``jax.jit``.
+
+    Args:
+      state: a `CompactState`, or an optimizer state holding exactly one
+        (e.g. inside `loss_scaled`'s state).
+
+    Returns:
+      The inner optimizer's state (``state.inner_state``, decoded).
+
+    Raises:
+      ValueError: if ``state`` holds no `CompactState`, or more than one.
+
+    Examples:
+      Schedule-free models are evaluated at other weights than they train at;
+      optax computes them from the optimizer's state:
+
+      >>> import jax.numpy as jnp, optax
+      >>> import mixprec.optax
+      >>> opt = mixprec.optax.compact_state(
+      ...     optax.contrib.schedule_free_adamw(1e-2), weights="bfloat16-sr",
+      ...     moments="int8", policy="p=bf16,c=bf16")
+      >>> params = {"w": jnp.ones((4, 64), jnp.bfloat16)}
+      >>> state = opt.init(params)
+      >>> grads = {"w": jnp.ones((4, 64), jnp.bfloat16)}
+      >>> updates, state = opt.update(grads, state, params)
+      >>> params = optax.apply_updates(params, updates)
+      >>> inner = mixprec.optax.decode_compact_state(state)
+      >>> inner.z["w"].dtype
+      dtype('float32')
+      >>> master = mixprec.optax.master_params(params, state)
+      >>> eval_params = optax.contrib.schedule_free_eval_params(inner, master)
+      >>> eval_params["w"].dtype, eval_params["w"].shape
+      (dtype('float32'), (4, 64))
+    """
+    found = state_lib.find_states(state)
+    if len(found) != 1:
+        raise ValueError(
+            "`mixprec.optax.decode_compact_state(state)` expects a `CompactState` "
+            "(from `mixprec.optax.compact_state`) or an optimizer state holding "
+            f"exactly one, found {len(found)}."
+        )
+    return _decode_inner(found[0].inner_state)
+
+
 def _path_key(path: Any) -> tuple[str, ...]:
     return tuple(str(k) for k in path)
 
@@ -304,13 +362,26 @@ def compact_state(
       float32 training (2 + 2 bytes); ``"bfloat16-sr"``: bfloat16 params
       updated with stochastic rounding (2 bytes), unbiased, so updates smaller
       than half a bfloat16 ulp still move the weights on average.
-    * ``moments`` (each inner state leaf shaped like a parameter):
+    * ``moments`` (each inner state leaf known to be a gradient statistic:
+      Adam's ``mu`` and ``nu``, momentum's ``trace``, and the other fields
+      of optax state types listed as moments in mixprec's table):
       ``"float32"``; ``"bfloat16-sr"``; ``"int8"``: blocks of ``block_size``
       along the last axis, a float32 absmax per block and a non-linear 8-bit
       code (a small float of ``x / absmax``, with more exponent range for
       non-negative blocks such as Adam's second moment); ``"float8"``:
-      ``float8_e4m3fn`` with a per-block scale. Counts and other scalars
-      stay exact. All of them round stochastically.
+      ``float8_e4m3fn`` with a per-block scale. All of them round
+      stochastically.
+
+    Copies of the parameters in the inner state (``optax.contrib``'s
+    mechanize ``x0``, prodigy ``params0``, schedule-free ``z``, SAM's
+    ``cache``) are stored as the weights are: ``"bfloat16-sr"`` under
+    ``weights="bfloat16-sr"`` (rounded to nearest at ``init``, as
+    `compact_params` rounds the weights), float32 otherwise. Every other
+    leaf (counts, scalars, ``optax.MultiSteps``' accumulated gradients,
+    adafactor's factored statistics, a state type mixprec does not know) is
+    kept as it is. `describe_compact_state` lists how each leaf is stored
+    and why; `decode_compact_state` gives back the inner optimizer's plain
+    state.
 
     With AdamW and bfloat16 gradients: float32 / float32 is 16 bytes per
     parameter, ``"bfloat16-exact"`` / float32 14, ``"bfloat16-sr"`` /
@@ -434,27 +505,48 @@ def compact_state(
         suffix = _param_suffix(_path_key(path), specs)
         return specs[suffix] if suffix is not None else specs.get(shape)
 
+    # A state leaf is stored by what it is (`fields.py`): a known moment in the
+    # moment tier, a parameter copy as the weights are (a bfloat16-exact
+    # weight is its float32 master, so its copy stays float32), anything else
+    # as it is.
+    tiers = {
+        fields_lib.MOMENT: moments,
+        fields_lib.COPY: "bfloat16-sr" if weights == "bfloat16-sr" else "float32",
+    }
+
     def encode_state(tree: Any, params: Any, count: jax.Array, stream: int) -> Any:
-        if moments == "float32":
+        if all(t == "float32" for t in tiers.values()):
             return tree
-        shapes, specs = layout(params)
-        owners = {
-            _path_key(path)
-            for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]
-        }
+        _, specs = layout(params)
+        plans = fields_lib.plan(tree, params)
         flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
         out = [x for _, x in flat]
         # The leaves of one parameter (Adam's two moments: paths ending in the
         # parameter's) are encoded together, their block statistics in one
         # pass; each keeps its own random stream, so the codes are the same.
         groups: dict[Any, list[int]] = {}
-        for i, (path, x) in enumerate(flat):
-            if _is_float(x) and np.ndim(x) >= 1 and tuple(x.shape) in shapes:
-                owner = _param_suffix(_path_key(path), owners)
+        for i, ((_, x), leaf_plan) in enumerate(zip(flat, plans, strict=True)):
+            tier = tiers.get(leaf_plan.kind, "float32")
+            if tier != "float32":
+                owner = leaf_plan.owner
                 groups.setdefault(
-                    (i if owner is None else owner, tuple(x.shape)), []
+                    (i if owner is None else owner, tuple(x.shape), tier), []
                 ).append(i)
-        for members in groups.values():
+        for (_, _, tier), members in groups.items():
+            if tier == "bfloat16-sr" and stream == _INIT and all(
+                plans[i].kind == fields_lib.COPY for i in members
+            ):
+                # Rounded as `compact_params` rounds the weights, so that a copy
+                # of the initial weights is the weights the model starts from.
+                for i in members:
+                    x = out[i]
+                    out[i] = codes.Compressed(
+                        x.astype(jnp.bfloat16),
+                        None,
+                        tier,
+                        np.dtype(x.dtype),
+                    )
+                continue
             xs = tuple(out[i] for i in members)
             encoded = _encode_leaves(
                 xs,
@@ -464,7 +556,7 @@ def compact_state(
                 ),
                 count,
                 tuple(_constant(seed, i, stream) for i in members),
-                tier=moments,
+                tier=tier,
                 block=block_size,
             )
             for i, x in zip(members, encoded, strict=True):
@@ -529,11 +621,7 @@ def compact_state(
             p32 = jax.tree.map(lambda p: p.astype(jnp.float32), params)
         else:
             p32 = None
-        inner32 = jax.tree.map(
-            lambda c: _decode_leaf(c) if is_compressed(c) else c,
-            state.inner_state,
-            is_leaf=is_compressed,
-        )
+        inner32 = _decode_inner(state.inner_state)
         u32, new_inner = inner.update(grads, inner32, p32, **extra_args)
         count = state.step
         new_inner = encode_state(
