@@ -214,7 +214,7 @@ def test_plain_table_renderer_without_rich():
 
 
 def biased(w, b, x):
-    return jax.nn.relu(x @ w + b[None, :])  # the add's reason is long: fused into the dot
+    return jax.nn.relu(x @ w + b[None, :])  # a long reason: fused into the dot
 
 
 def _biased_report():
