@@ -198,9 +198,12 @@ def loss_scaled(
       axis_name: the mapped axis (``shard_map``/``pmap``) over which the gradients
         are *sharded and not yet reduced* (each device holding a different part,
         e.g. sharded parameters). The finite verdict is then reduced over it so
-        that every device skips together. Not needed with ``jit`` over global
-        arrays, nor after a ``lax.pmean`` of the gradients (a non-finite value
-        then reaches every device anyway).
+        that every device skips together, and the state stays replicated
+        (``shard_map``'s default ``check_vma`` accepts it as a ``P()``
+        output). Not needed with ``jit`` over global arrays, nor for gradients
+        already reduced (a ``lax.pmean``, or replicated parameters under
+        ``check_vma``, whose gradients JAX sums over the devices itself): a
+        non-finite value then reaches every device anyway.
       warn_at_floor_after: if given, issue a `LossScaleFloorWarning` (through
         ``jax.debug.callback``, so also under ``jit``) once the scale has sat at
         its floor for this many steps in a row, and again after each further
