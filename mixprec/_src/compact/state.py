@@ -23,9 +23,10 @@ class CompactState(NamedTuple):
       remainder: for ``weights="bfloat16-exact"``, a pytree like the params of
         uint16 arrays: the low 16 bits of each float32 master weight, whose top
         16 bits are the bfloat16 params. ``None`` for the other tiers.
-      inner_state: the wrapped optimizer's state, each float leaf shaped like a
-        parameter stored in the moment tier (a ``Compressed`` node), every
-        other leaf (counts, scalars) as it is.
+      inner_state: the wrapped optimizer's state: each leaf known to be a
+        moment stored in the moment tier, each parameter copy as the weights
+        are (a ``Compressed`` node where not float32), every other leaf
+        (counts, scalars, unknown states) as it is.
       num_missed: int32 count of weight elements that did not land on their
         rounded value (see `compact_state`); stays 0 in practice.
       codes_format: int32, the layout of the stored codes (``CODES_FORMAT``
