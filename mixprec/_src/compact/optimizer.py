@@ -533,8 +533,10 @@ def compact_state(
                     (i if owner is None else owner, tuple(x.shape), tier), []
                 ).append(i)
         for (_, _, tier), members in groups.items():
-            if tier == "bfloat16-sr" and stream == _INIT and all(
-                plans[i].kind == fields_lib.COPY for i in members
+            if (
+                tier == "bfloat16-sr"
+                and stream == _INIT
+                and all(plans[i].kind == fields_lib.COPY for i in members)
             ):
                 # Rounded as `compact_params` rounds the weights, so that a copy
                 # of the initial weights is the weights the model starts from.
