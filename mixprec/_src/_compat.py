@@ -604,13 +604,14 @@ def common_source_info(infos: Sequence[Any]) -> Any:
     several, in the scopes (and transformations) all of them are in, none that
     only some are in. ``infos`` must not be empty."""
     first = infos[0]
-    stacks = [getattr(si.name_stack, "stack", None) for si in infos]
-    if any(st is None for st in stacks):
+    found = [getattr(si.name_stack, "stack", None) for si in infos]
+    stacks: list[tuple[Any, ...]] = [st for st in found if st is not None]
+    if len(stacks) != len(found):
         return first
     n = 0
     while all(len(st) > n and st[n] == stacks[0][n] for st in stacks):
         n += 1
-    if n == len(stacks[0]) and all(len(st) == n for st in stacks):
+    if all(len(st) == n for st in stacks):
         return first
     return first.replace(name_stack=first.name_stack[:n])
 
