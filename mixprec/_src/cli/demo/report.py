@@ -403,7 +403,7 @@ def faster_notes(results: Sequence[RunResult], *, platform: str) -> list[str]:
                 else ""
             )
             if speed_detail(r, base)["speedup_within_noise"]:
-                cause = "it is within run-to-run noise" + _noise_text(r, base)
+                cause = _noise_text(r, base).removeprefix("; ")
             else:
                 cause = (
                     "the dots run as float32 GEMMs on float16-rounded operands, "
