@@ -557,3 +557,15 @@ def test_cli_plan_flags_are_checked(capsys, tmp_path):
         capsys, ["plan", f"{target}:loss", "--candidates", "mixed_f9"]
     )
     assert status == 2 and "--candidates" in err
+
+
+@pytest.mark.long  # minutes on two cores: mixprec.plan over a 13-site LM
+def test_example_plan_float8_keeps_the_massive_head_out_of_float8(capsys):
+    import pathlib
+    import runpy
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "examples/plan_float8.py"
+    module = runpy.run_path(str(path))
+    with jax.numpy_rank_promotion("allow"):
+        assert module["main"]([]) == 0
+    assert "head: mixed_bfloat16" in capsys.readouterr().out
