@@ -306,3 +306,38 @@ def step_adafactor_lstm():
     inst.train_state = (inst.params, jax.jit(optimizer.init)(inst.params))
     inst.step, inst.update = step, update
     return inst
+
+
+@program("step", "digits", "standard_promotion")  # schedule-free mixes int and float
+def step_schedule_free_compact_state_mlp():
+    """jnp MLP + optax.contrib.schedule_free_adamw under int8 compact_state."""
+    from mixprec.optax import compact_state, decode_compact_state
+
+    params = mlp.init_mlp(146, [64, 64, 32, 10])
+    # Schedule-free keeps `z`, a copy of the weights, beside its moments: the
+    # compact state stores it at the weights' tier (float32 here), not as int8.
+    optimizer = compact_state(
+        optax.contrib.schedule_free_adamw(3e-3, warmup_steps=5),
+        weights="float32",
+        moments="int8",
+    )
+    step, update = _optax_step(mlp.mlp_loss, optimizer)
+    batches = _digit_batches(147)
+
+    def evaluated(state, x):
+        params, opt_state = state
+        eval_params = optax.contrib.schedule_free_eval_params(
+            decode_compact_state(opt_state), params
+        )
+        return mlp.mlp_apply(eval_params, x)
+
+    return Instance(
+        params,
+        batches(0),
+        mlp.mlp_loss,
+        train_state=(params, jax.jit(optimizer.init)(params)),
+        step=step,
+        update=update,
+        batches=batches,
+        accuracy=_digit_accuracy(evaluated),
+    )
