@@ -332,7 +332,7 @@ def test_flax_linen_sites_are_module_paths():
         }
     )
     ops = mixprec.explain(jax.grad(loss), params, x, policy=plan).find("dot_general")
-    assert {op.site[0] for op in ops} == {"Net/a", "Net/b"}
+    assert {op.site and op.site[0] for op in ops} == {"Net/a", "Net/b"}
     for op in ops:
         assert op.in_dtypes[1] == ("float32" if op.layer == "Net/b" else "bfloat16")
     g = jax.jit(jax.grad(mixprec.autocast(loss, plan)))(params, x)

@@ -179,7 +179,7 @@ def _regex(pattern: str) -> re.Pattern[str]:
     return re.compile(pattern)
 
 
-@dataclasses.dataclass(frozen=True, eq=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class Plan:
     """A policy per matmul site: what :func:`mixprec.plan` chose, or what you
     wrote. Pass it wherever a policy goes.
@@ -217,8 +217,22 @@ class Plan:
     tolerance: float | None = None
     candidates: tuple[str, ...] = ()
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "base", _policy(self.base, "`base`"))
+    def __init__(
+        self,
+        base: Policy | str,
+        sites: Sequence[Site] = (),
+        rules: Sequence[Rule] = (),
+        platform: str = "",
+        tolerance: float | None = None,
+        candidates: Sequence[str] = (),
+    ) -> None:
+        set_ = ft.partial(object.__setattr__, self)
+        set_("base", _policy(base, "`base`"))
+        set_("sites", tuple(sites))
+        set_("rules", tuple(rules))
+        set_("platform", str(platform))
+        set_("tolerance", None if tolerance is None else float(tolerance))
+        set_("candidates", tuple(str(c) for c in candidates))
         keys = [s.key for s in self.sites]
         if len(set(keys)) != len(keys):
             dup = next(k for k in keys if keys.count(k) > 1)
