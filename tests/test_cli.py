@@ -743,3 +743,21 @@ def test_bench_marks_a_ratio_inside_the_rounds_spread_as_noise():
     md = bench.markdown(payload)
     assert "| mlp | mixed_float16 (autocast) | 1.10 | 0.90 | 0.91x (noise) |" in md
     assert "| mlp | mixed_bfloat16 (autocast) | 0.50 | 0.50 | 2.00x | 2.00x |" in md
+
+
+@pytest.mark.parametrize("size", ["tiny", "cpu"])
+def test_only_the_smoke_set_compiles_with_cheap_optimisations(
+    monkeypatch, tmp_path, capsys, size
+):
+    seen = []
+
+    def record(variant, spec):
+        seen.append(spec.compile_options)
+        raise NotImplementedError("stopped after the first build")
+
+    monkeypatch.setattr(bench, "_build", record)
+    argv = ["bench", "--size", size, "-w", "mlp", "-m", "autocast", "-p", "bf16"]
+    assert cli.main([*argv, "--out", str(tmp_path), "--no-progress"]) == 1
+    capsys.readouterr()
+    expected = bench.SMOKE_COMPILE_OPTIONS if size == "tiny" else None
+    assert seen and all(options == expected for options in seen)
