@@ -290,6 +290,31 @@ def test_scan_body_is_one_site_for_every_iteration_and_its_backward():
     assert g.dtype == jnp.float32
 
 
+def test_the_fused_attention_decision_reads_the_plan():
+    def attn(q, k, v):
+        with jax.named_scope("attn"):
+            s = jnp.einsum("bthd,bshd->bhts", q, k) / 8.0
+            return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, axis=-1), v)
+
+    q, k, v = jax.random.normal(jax.random.key(0), (3, 2, 16, 4, 64))
+
+    def products(plan):
+        report = mixprec.explain(attn, q, k, v, policy=plan)
+        return [
+            (op.primitive, op.decision)
+            for op in report.ops
+            if op.primitive in ("dot_product_attention", "dot_general")
+        ]
+
+    assert products(mixprec.Plan("mixed_bfloat16")) == [
+        ("dot_product_attention", "low")
+    ]
+    # jnp.einsum names its spec in the name stack: the layer paths are
+    # "attn/bthd,bshd->bhts" and "attn/bhts,bshd->bthd".
+    keep = mixprec.Plan("mixed_bfloat16", rules=(Rule("attn/.*", (), "float32"),))
+    assert products(keep) == [("dot_general", "float32"), ("dot_general", "float32")]
+
+
 def test_composes_with_jit_grad_vmap_and_remat():
     w, x, y = _mlp(d=32)
     plan = mixprec.Plan(
