@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mixprec._src.plan import Plan, Site
+from mixprec._src.plan import Plan, Site, policy_rank
 from mixprec._src.policy import Policy, get_policy
 
 
@@ -334,12 +334,14 @@ def plan(
     for key, f in found.items():
         ok = [c for c in names if _passes(f.measured.get(c, {}), tolerance)]
         # The cheapest; among equally cheap ones, one that runs the site as
-        # its name says (not a float8 policy whose recipe keeps it 16-bit).
+        # its name says (not a float8 policy whose recipe keeps it 16-bit),
+        # then the widest (float16 costs float32's on a CPU: float32).
         chosen = min(
             ok,
             key=lambda c: (
                 f.flops / table[f.runs.get(c, runs_as(c))],
                 f.runs.get(c, runs_as(c)) != runs_as(c),
+                tuple(-r for r in policy_rank(get_policy(c))),
                 names.index(c),
             ),
         )
