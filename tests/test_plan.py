@@ -315,6 +315,33 @@ def test_the_fused_attention_decision_reads_the_plan():
     assert products(keep) == [("dot_general", "float32"), ("dot_general", "float32")]
 
 
+def test_the_cuda_export_runs_float8_gemms_where_the_plan_says():
+    import re
+
+    from helpers import executed_lines
+
+    w, x, y = _mlp()
+    plan = mixprec.Plan(
+        "mixed_bfloat16",
+        sites=(
+            Site("l0", "dot_general", 0, "mixed_float8"),
+            Site("l2", "dot_general", 0, "mixed_float8"),
+        ),
+    )
+    step = jax.jit(jax.grad(mixprec.autocast(_mlp_loss, plan)))
+    text = jax.export.export(step, platforms=["cuda"])(w, x, y).mlir_module()
+    dots = []
+    for line in executed_lines(text):
+        if "stablehlo.dot_general" in line:
+            ins = line.rsplit(" : ", 1)[1].split(" -> ")[0]
+            dots.append(tuple(re.findall(r"tensor<(?:[\d?]+x)*(\w+)>", ins)))
+    f8 = [d for d in dots if any(t.startswith("f8") for t in d)]
+    # l0: its forward dot and its weight gradient (x needs no gradient);
+    # l2: forward and two gradients. l1 (bfloat16): three dots in bf16.
+    assert len(f8) == 5 and len(dots) == 8, dots
+    assert sum(d == ("bf16", "bf16") for d in dots) == 3, dots
+
+
 def test_composes_with_jit_grad_vmap_and_remat():
     w, x, y = _mlp(d=32)
     plan = mixprec.Plan(
