@@ -608,7 +608,8 @@ def run_plan(args: argparse.Namespace) -> int:
 
     if args.platform not in planner.THROUGHPUT:
         raise UsageError(
-            "--platform", unknown_choice("platform", args.platform, planner.THROUGHPUT)
+            "--platform",
+            unknown_choice("platform", args.platform, sorted(planner.THROUGHPUT)),
         )
     for c in args.candidates:
         try:
