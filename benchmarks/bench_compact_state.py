@@ -17,7 +17,11 @@ inside the loss), so only the stored state differs. Records the held-out loss
 and its gap to float32 (same seed), bytes per parameter of weights + gradients
 + optimizer state counted from the live pytrees, and the time of the optimizer
 update (``update`` + ``optax.apply_updates``, one jitted call) against the
-``bf16-rtn`` update, as medians of interleaved rounds.
+``bf16-rtn`` update, as medians of interleaved rounds. Every timed call donates
+its params and optimizer state, as a training loop's step does (without
+donation each call allocates its outputs afresh: float32 AdamW at GPT-2
+small's 124 M params took 430 ms so and 131 ms donated, which made the compact
+update look 3x closer to float32 than it is).
 
     python benchmarks/bench_compact_state.py                  # the default set
     python benchmarks/bench_compact_state.py --variants float32 bf16-rtn \\
@@ -34,10 +38,13 @@ sets its peak, ``--pretrain N`` fine-tunes float32 params pretrained for N
 steps instead of training from scratch);
 ``--table`` re-renders the table from the JSON; ``--compile-times small full``
 only measures the seconds to trace and compile each variant's update,
-``--update-times small full`` only times it on the LMs of those sizes, and
+``--update-times small full`` only times it on the LMs of those sizes,
+``--step-times small full`` only times the whole training step (forward,
+backward and update, donated; ``--batch-size`` overrides the LM's batch), and
 ``--kernel-profile small`` only profiles its XLA:CPU kernels, by stage. In
-these three modes a compact variant may name stages to leave out after ``@``
-(``bfloat16-sr/int8@fixed-scales+no-random-bits``, see ``ABLATIONS``): the
+the modes but ``--step-times`` a compact variant may name stages to leave out
+after ``@`` (``bfloat16-sr/int8@fixed-scales+no-random-bits``, see
+``ABLATIONS``): the
 update is then wrong, and its time says what the stage costs.
 """
 
@@ -323,6 +330,17 @@ def ablated(names: list[str]) -> Any:
             setattr(m, attr, value)
 
 
+def initial_state(variant: str, params32: Any) -> tuple[Any, Any, Any]:
+    """``(optimizer, params, state)`` of a variant (no ablations) from float32
+    params, as a training run starts."""
+    opt, dtype = make_optimizer(variant, 1000)
+    weights = variant.split("/")[0] if "/" in variant else None
+    if weights is not None:
+        return opt, mp_optax.compact_params(params32, weights), opt.init(params32)
+    params = jax.tree.map(lambda p: p.astype(dtype), params32)
+    return opt, params, opt.init(params)
+
+
 def update_step(variant: str, params32: Any) -> tuple[Any, Any, Any, Any]:
     """``(upd, params, state, grads)``: a variant's optimizer update +
     ``apply_updates`` as a function of (params, state, grads), and its inputs
@@ -332,14 +350,7 @@ def update_step(variant: str, params32: Any) -> tuple[Any, Any, Any, Any]:
     removed = ablation.split("+") if ablation else []
     if removed and "/" not in variant:
         raise ValueError(f"ablations apply to compact variants only, got {variant!r}")
-    opt, dtype = make_optimizer(variant, 1000)
-    weights = variant.split("/")[0] if "/" in variant else None
-    if weights is not None:
-        params = mp_optax.compact_params(params32, weights)
-        state = opt.init(params32)
-    else:
-        params = jax.tree.map(lambda p: p.astype(dtype), params32)
-        state = opt.init(params)
+    opt, params, state = initial_state(variant, params32)
     grads = jax.tree.map(lambda p: (p * 0.01).astype(p.dtype), params)
 
     def upd(p: Any, s: Any, g: Any) -> tuple[Any, Any]:
@@ -389,20 +400,39 @@ def compile_times(size: str, variants: list[str]) -> dict[str, dict[str, float |
     return out
 
 
+def donated_calls(fn: Any, carry: tuple[Any, ...], *args: Any) -> Any:
+    """A function of no arguments that calls ``fn(*carry, *args)`` once, jitted
+    with ``carry`` donated, and keeps the first ``len(carry)`` outputs as the
+    next call's carry: one step of a training loop (params and state donated,
+    updated in place). ``carry`` is copied first, so that the caller's arrays
+    (shared by other variants) are never donated."""
+    n = len(carry)
+    compiled = (
+        jax.jit(fn, donate_argnums=tuple(range(n))).lower(*carry, *args).compile()
+    )
+    box = [jax.tree.map(jnp.copy, carry)]
+
+    def call() -> Any:
+        out = compiled(*box[0], *args)
+        box[0] = tuple(out[:n])
+        return out
+
+    return call
+
+
 def update_times(
     params32: Any, variants: list[str], rounds: int
 ) -> tuple[dict[str, float], dict[str, float]]:
-    """Median seconds of one optimizer update + apply_updates, interleaved; and
-    the bytes per parameter the update reads and writes at the least (its
-    inputs and outputs: params, state and gradients in, params and state out),
-    what bounds it on a device where it is memory-bound."""
+    """Median seconds of one optimizer update + apply_updates, params and state
+    donated, interleaved; and the bytes per parameter the update reads and
+    writes at the least (its inputs and outputs: params, state and gradients
+    in, params and state out), what bounds it on a device where it is
+    memory-bound."""
     n_params = sum(x.size for x in jax.tree.leaves(params32))
     fns = {}
     io_bytes = {}
     for variant in variants:
         upd, params, state, grads = update_step(variant, params32)
-
-        f = jax.jit(upd).lower(params, state, grads).compile()
         outs = jax.eval_shape(upd, params, state, grads)
         io_bytes[variant] = (
             sum(
@@ -411,9 +441,63 @@ def update_times(
             )
             + sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(outs))
         ) / n_params
-        fns[variant] = lambda f=f, p=params, s=state, g=grads: f(p, s, g)
+        fns[variant] = donated_calls(upd, (params, state), grads)
     times = timing.interleaved(fns, rounds=rounds, warmup=3)
     return {k: timing.median(v) for k, v in times.items()}, io_bytes
+
+
+def step_times(
+    size: str, variants: list[str], rounds: int, batch_size: int | None = None
+) -> dict[str, Any]:
+    """Median seconds of one whole training step (forward, backward, update and
+    apply_updates: the step of `run`), params and state donated, interleaved,
+    on the LM of ``size`` (its batch, or ``batch_size`` sequences)."""
+    if size not in ("tiny", "small", "full"):
+        raise ValueError(
+            f"--step-times takes the LM sizes tiny, small, full; got {size!r}"
+        )
+    workload = train.lm_workload(size=size, batch_size=batch_size, n_eval_batches=1)
+    params32 = workload.init(jax.random.key(0))
+    batch = next(workload.train_batches(0))
+    fns = {}
+    for variant in variants:
+        opt, params, state = initial_state(variant, params32)
+
+        def step(p: Any, s: Any, batch: Any, opt: Any = opt) -> tuple[Any, Any, Any]:
+            loss, grads = jax.value_and_grad(partial(loss_fn, workload))(p, batch)
+            updates, s = opt.update(grads, s, p)
+            return optax.apply_updates(p, updates), s, loss
+
+        fns[variant] = donated_calls(step, (params, state), batch)
+    times = timing.interleaved(fns, rounds=rounds, warmup=2)
+    leaves = jax.tree.leaves(params32)
+    return {
+        "params": sum(x.size for x in leaves),
+        "leaves": len(leaves),
+        "batch": list(batch[0].shape),
+        "step_seconds": {k: timing.median(v) for k, v in times.items()},
+        # Every round, in order: the spread on a shared machine.
+        "step_seconds_rounds": {k: [round(t, 4) for t in v] for k, v in times.items()},
+        "vs_float32_per_round": per_round_ratios(times, "float32"),
+    }
+
+
+def per_round_ratios(
+    times: dict[str, list[float]], base: str
+) -> dict[str, dict[str, float]]:
+    """Each variant's time over ``base``'s in the same interleaved round: the
+    median, lowest and highest of those ratios. Steadier than the ratio of the
+    medians where the load changes during a run (each round's variants run
+    within seconds of each other)."""
+    out = {}
+    for v, ts in times.items():
+        rs = [t / b for t, b in zip(ts, times[base], strict=True)]
+        out[v] = {
+            "median": round(statistics.median(rs), 4),
+            "min": round(min(rs), 4),
+            "max": round(max(rs), 4),
+        }
+    return out
 
 
 def sized_update_times(size: str, variants: list[str], rounds: int) -> dict[str, Any]:
@@ -663,6 +747,22 @@ def main(argv: list[str] | None = None) -> int:
         "GPU); writes <name>.json",
     )
     parser.add_argument(
+        "--step-times",
+        nargs="+",
+        choices=("tiny", "small", "full"),
+        metavar="SIZE",
+        help="only time the whole training step (forward, backward, update; "
+        "donated) of each variant against float32 on the LM of these sizes; "
+        "writes <name>.json",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --step-times: sequences per batch (default: the LM's own)",
+    )
+    parser.add_argument(
         "--kernel-profile",
         nargs="+",
         choices=SIZES,
@@ -691,6 +791,7 @@ def main(argv: list[str] | None = None) -> int:
         for m, on in (
             ("--compile-times", args.compile_times),
             ("--update-times", args.update_times),
+            ("--step-times", args.step_times),
             ("--kernel-profile", args.kernel_profile),
         )
         if on
@@ -703,7 +804,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(
                 f"unknown variant {base!r}; choose from float32, bf16-rtn, {TIERS}"
             )
-        if at and not (modes and "/" in base):
+        if at and not (modes and modes != ["--step-times"] and "/" in base):
             parser.error(
                 f"{v!r}: ablations (after '@') time a compact variant's update "
                 "only; use them with --update-times, --kernel-profile or "
@@ -715,8 +816,12 @@ def main(argv: list[str] | None = None) -> int:
                     f"unknown ablation {name!r} in {v!r}; choose from "
                     + ", ".join(ABLATIONS)
                 )
+    if args.batch_size is not None and not args.step_times:
+        parser.error("--batch-size applies to --step-times only")
     if modes:
         timed = list(dict.fromkeys(["bf16-rtn", *args.variants]))
+        if args.update_times or args.step_times:
+            timed = list(dict.fromkeys(["float32", *timed]))
         result: dict[str, Any] = {
             "command": "python benchmarks/bench_compact_state.py "
             + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -755,30 +860,62 @@ def main(argv: list[str] | None = None) -> int:
                         f"| {size} | {v} | {r['kernels']} | {r['kernel_us']:.0f} | "
                         f"{stages} |"
                     )
+        elif args.step_times:
+            result["rounds"] = args.rounds
+            result["donated"] = True
+            result["sizes"] = {
+                size: step_times(size, timed, args.rounds, args.batch_size)
+                for size in args.step_times
+            }
+            lines = [
+                "| LM (params, leaves, batch) | variant | step ms | vs float32 | "
+                "vs bf16-rtn | vs float32 per round: median (range) |",
+                "|---|---|---|---|---|---|",
+            ]
+            for size, r in result["sizes"].items():
+                f32, rtn = r["step_seconds"]["float32"], r["step_seconds"]["bf16-rtn"]
+                shape = "x".join(map(str, r["batch"]))
+                pr = r["vs_float32_per_round"]
+                for v, t in r["step_seconds"].items():
+                    lines.append(
+                        f"| {size} ({r['params'] / 1e6:.2f} M, {r['leaves']}, "
+                        f"{shape}) | {v} | {t * 1e3:.1f} | "
+                        f"{timing.ratio(t, f32):.3f}x | {timing.ratio(t, rtn):.3f}x | "
+                        f"{pr[v]['median']:.3f}x "
+                        f"({pr[v]['min']:.2f}-{pr[v]['max']:.2f}) |"
+                    )
         else:
             result["rounds"] = args.rounds
+            result["donated"] = True
             result["sizes"] = {
                 size: sized_update_times(size, timed, args.rounds)
                 for size in args.update_times
             }
             lines = [
-                "| LM (params, leaves) | variant | update ms | vs bf16-rtn | "
-                "update I/O B/param |",
-                "|---|---|---|---|---|",
+                "| LM (params, leaves) | variant | update ms | vs float32 | "
+                "vs bf16-rtn | update I/O B/param |",
+                "|---|---|---|---|---|---|",
             ]
             for size, r in result["sizes"].items():
+                f32 = r["update_seconds"]["float32"]
                 base = r["update_seconds"]["bf16-rtn"]
                 for v, t in r["update_seconds"].items():
                     lines.append(
                         f"| {size} ({r['params'] / 1e6:.2f} M, {r['leaves']}) | {v} | "
-                        f"{t * 1e3:.2f} | {timing.ratio(t, base):.2f}x | "
+                        f"{t * 1e3:.2f} | {timing.ratio(t, f32):.2f}x | "
+                        f"{timing.ratio(t, base):.2f}x | "
                         f"{r['update_io_bytes_per_param'][v]:.2f} |"
                     )
+        # The machine may be shared: the load when the run ended, beside the
+        # load when it began (in "environment").
+        result["loadavg_after"] = timing.loadavg()
         env = result["environment"]
+        donated = "; params and state donated" if result.get("donated") else ""
         lines.append(
             f"\nJAX {env['jax']}; {env['cpu_model']} "
             f"({timing.flags_summary(env['cpu_flags'])}); {env['date']}; "
-            f"load {env['loadavg']}."
+            f"load {env['loadavg']} at the start, {result['loadavg_after']} at the "
+            f"end{donated}."
         )
         out.mkdir(parents=True, exist_ok=True)
         path_json.write_text(json.dumps(result, indent=1) + "\n")

@@ -2,6 +2,7 @@
 LM size: nothing timed, only where the runs start and what they read."""
 
 import dataclasses
+import json
 import re
 
 import jax
@@ -185,6 +186,12 @@ def test_ablations_remove_their_stage_and_leave_the_plain_update_alone():
         (["--update-times", "tiny", "--variants", "bf16-rtn@fixed-scales"], "only"),
         (["--variants", "bfloat16-sr/int8@fixed-scales"], "--update-times"),
         (["--update-times", "huge"], "gpt2"),
+        (["--step-times", "gpt2"], "full"),
+        (
+            ["--step-times", "tiny", "--variants", "bfloat16-sr/int8@fixed-scales"],
+            "only",
+        ),
+        (["--batch-size", "4"], "--step-times"),
     ],
 )
 def test_bad_ablations_are_refused_by_name(capsys, tmp_path, argv, message):
@@ -193,3 +200,43 @@ def test_bad_ablations_are_refused_by_name(capsys, tmp_path, argv, message):
     err = capsys.readouterr().err
     assert message in err
     assert not list(tmp_path.iterdir())
+
+
+def test_timed_calls_donate_params_and_state_and_thread_them():
+    params32 = train.lm_workload(size="tiny").init(jax.random.key(0))
+    upd, params, state, grads = bench.update_step("bfloat16-sr/int8", params32)
+    call = bench.donated_calls(upd, (params, state), grads)
+    first = call()
+    second = call()
+    # The first call's outputs were the second's inputs, donated: deleted.
+    assert all(x.is_deleted() for x in jax.tree.leaves(first))
+    assert not any(x.is_deleted() for x in jax.tree.leaves(second))
+    # The caller's arrays (shared by other variants) are copied, never donated.
+    assert not any(x.is_deleted() for x in jax.tree.leaves((params, state, grads)))
+    assert int(second[1].step) == 2
+
+
+def test_step_times_reports_each_variant_donated():
+    row = bench.step_times("tiny", ["float32", "bfloat16-sr/int8"], 1, batch_size=2)
+    assert list(row["step_seconds"]) == ["float32", "bfloat16-sr/int8"]
+    assert all(t > 0 for t in row["step_seconds"].values())
+    assert row["batch"][0] == 2
+    params = jax.tree.leaves(train.lm_workload(size="tiny").init(jax.random.key(0)))
+    assert row["params"] == sum(x.size for x in params)
+    with pytest.raises(ValueError, match="tiny, small, full"):
+        bench.step_times("gpt2", ["float32"], 1)
+
+
+def test_step_times_mode_writes_its_table(capsys, tmp_path):
+    argv = ["--step-times", "tiny", "--batch-size", "2", "--rounds", "1"]
+    argv += ["--variants", "bfloat16-sr/int8", "--out", str(tmp_path), "--name", "s"]
+    assert bench.main(argv) == 0
+    result = json.loads((tmp_path / "s.json").read_text())
+    assert result["donated"] is True
+    assert list(result["sizes"]["tiny"]["step_seconds"]) == [
+        "float32",
+        "bf16-rtn",
+        "bfloat16-sr/int8",
+    ]
+    assert "loadavg" in result["environment"] and "loadavg_after" in result
+    assert "donated" in capsys.readouterr().out
