@@ -17,9 +17,15 @@ the waits for a core that a loaded machine adds). ``ms/layer`` is the median
 divided by the depth: flat across depths means linear in depth. The target is
 a ratio of at most 1.5 for both wraps at every depth.
 
+With ``--cold`` every timing is the first trace in a fresh process (JAX's and
+mixprec's caches empty, imports done before the clock starts): what a user
+waits for when a training script starts. Without it, JAX's caches are warm
+(a warm-up round first) and each variant is a fresh function.
+
 Usage::
 
-    python benchmarks/bench_trace.py [--layers 12 48 96] [--rounds 3] [--out PATH]
+    python benchmarks/bench_trace.py [--layers 12 48 96] [--rounds 3] [--cold]
+        [--out PATH]
 
 Prints the table and writes JSON (and a Markdown copy next to it) with the JAX
 version, the CPU model and its flags.
@@ -30,6 +36,8 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -73,22 +81,46 @@ def make_step(kind: str, cfg: gpt2.GPT2Config) -> Callable[..., Any]:
     return step
 
 
-def measure(layers: int, rounds: int) -> dict[str, Any]:
-    """Median trace+lower wall and CPU seconds of every variant at ``layers``."""
-    cfg = config(layers)
+def _arguments(cfg: gpt2.GPT2Config) -> tuple[Any, ...]:
     params = jax.tree.map(jnp.asarray, gpt2.init(cfg))
     state = optax.adamw(1e-3).init(params)
     x, y = gpt2.batch(cfg, 2)
-    args = (params, state, x, y)
+    return (params, state, x, y)
+
+
+def _time_once(kind: str, cfg: gpt2.GPT2Config, args: Any) -> tuple[float, float]:
+    fn = make_step(kind, cfg)
+    wall, cpu = time.perf_counter(), time.process_time()
+    jax.jit(fn).trace(*args).lower()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def _cold_once(kind: str, layers: int) -> tuple[float, float]:
+    """The first trace+lower of ``kind`` in a fresh process."""
+    out = subprocess.run(
+        [sys.executable, __file__, "--one", kind, str(layers)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    wall, cpu = json.loads(out.stdout.strip().splitlines()[-1])
+    return float(wall), float(cpu)
+
+
+def measure(layers: int, rounds: int, *, cold: bool = False) -> dict[str, Any]:
+    """Median trace+lower wall and CPU seconds of every variant at ``layers``
+    (``cold``: each the first trace in a fresh process)."""
+    cfg = config(layers)
+    args = _arguments(cfg)
 
     def once(kind: str) -> tuple[float, float]:
-        fn = make_step(kind, cfg)
-        wall, cpu = time.perf_counter(), time.process_time()
-        jax.jit(fn).trace(*args).lower()
-        return time.perf_counter() - wall, time.process_time() - cpu
+        if cold:
+            return _cold_once(kind, layers)
+        return _time_once(kind, cfg, args)
 
-    for kind in VARIANTS:  # warm-up: JAX's own caches of shared helpers
-        once(kind)
+    if not cold:
+        for kind in VARIANTS:  # warm-up: JAX's own caches of shared helpers
+            once(kind)
     walls: dict[str, list[float]] = {k: [] for k in VARIANTS}
     cpus: dict[str, list[float]] = {k: [] for k in VARIANTS}
     for r in range(rounds):
@@ -101,7 +133,7 @@ def measure(layers: int, rounds: int) -> dict[str, Any]:
         kind: len(jax.jit(make_step(kind, cfg)).trace(*args).jaxpr.eqns)
         for kind in VARIANTS
     }
-    row: dict[str, Any] = {"layers": layers, "eqns_top_level": eqns}
+    row: dict[str, Any] = {"layers": layers, "cold": cold, "eqns_top_level": eqns}
     for kind in VARIANTS:
         row[f"{kind}_wall_s"] = timing.median(walls[kind])
         row[f"{kind}_cpu_s"] = timing.median(cpus[kind])
@@ -141,17 +173,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, nargs="+", default=[12, 48, 96])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
+        "--cold",
+        action="store_true",
+        help="time each trace as the first in a fresh process (caches empty)",
+    )
+    parser.add_argument(
+        "--one", nargs=2, metavar=("VARIANT", "LAYERS"), help=argparse.SUPPRESS
+    )
+    parser.add_argument(
         "--out",
         type=pathlib.Path,
         default=pathlib.Path(__file__).parent / "results" / "bench_trace_cpu.json",
     )
     args = parser.parse_args(argv)
+    if args.one is not None:  # a child of --cold: one timing, as JSON
+        kind, layers = args.one[0], int(args.one[1])
+        cfg = config(layers)
+        inputs = _arguments(cfg)
+        print(json.dumps(_time_once(kind, cfg, inputs)))
+        return 0
     if args.rounds < 1 or any(n < 1 for n in args.layers):
         parser.error("`--rounds` and every `--layers` value must be >= 1.")
     rows = []
     for n in args.layers:
         print(f"[trace] {n} layers x {args.rounds} rounds ...", flush=True)
-        rows.append(measure(n, args.rounds))
+        rows.append(measure(n, args.rounds, cold=args.cold))
     env = timing.environment()
     text = table(rows)
     flags = timing.flags_summary(env["cpu_flags"])
@@ -159,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         f"Measured {env['date']} on {env['cpu_model']} ({env['cpu_count']} CPUs; "
         f"CPU flags: {flags}), jax {env['jax']}, load average {env['loadavg']}. "
         f"Command: `python benchmarks/bench_trace.py --layers "
-        f"{' '.join(map(str, args.layers))} --rounds {args.rounds}`."
+        f"{' '.join(map(str, args.layers))} --rounds {args.rounds}"
+        f"{' --cold' if args.cold else ''}`."
     )
     print(header)
     print(text)
@@ -167,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps({"environment": env, "rows": rows}, indent=2))
     args.out.with_suffix(".md").write_text(
         f"{header}\n\n{text}\n\nMedians of interleaved rounds; CPU s: the process's "
-        "CPU time over `jax.jit(step).trace(...).lower()` of a fresh function. "
+        "CPU time over `jax.jit(step).trace(...).lower()` of a fresh function"
+        f"{' in a fresh process (cold caches)' if args.cold else ''}. "
         "ms/layer flat across depths: linear in depth. Target: both ratios at "
         "most 1.5x.\n"
     )

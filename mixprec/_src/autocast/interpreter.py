@@ -71,9 +71,9 @@ from mixprec._src.autocast.decide import (
     Precision,
     decide_epilogue,
     decide_eqn,
-    runs_as_traced,
     literal_mark,
     out_marks,
+    runs_as_traced,
 )
 from mixprec._src.autocast.facts import (
     FOLD_LIMIT,
@@ -635,8 +635,9 @@ def _taken_as_traced(
     walk: Walk, eqn: JaxprEqn, invals: Sequence[Any], marks: Sequence[int]
 ) -> tuple[list[Any], list[int]] | None:
     """The results and marks of ``eqn`` recorded as it was traced (in its own
-    source context), where :func:`~mixprec._src.autocast.decide.runs_as_traced` says it runs that way and
-    nothing watches the walk; ``None`` otherwise (:func:`run_eqn` runs it)."""
+    source context), where :func:`~mixprec._src.autocast.decide.runs_as_traced`
+    says it runs that way and nothing watches the walk; ``None`` otherwise
+    (:func:`run_eqn` runs it)."""
     if walk.observer is not None or jaxprs.has_jaxpr_params(eqn.params):
         return None
     spec = ops.spec_for(eqn.primitive.name)
