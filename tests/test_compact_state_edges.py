@@ -51,7 +51,7 @@ def _nnx_loss(model, x):
 
 @adam_promotion
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "nnx.jit"])
-@pytest.mark.parametrize("weights", ["float32", "bfloat16-sr"])
+@pytest.mark.parametrize("weights", ["float32", "bfloat16-exact", "bfloat16-sr"])
 @pytest.mark.parametrize("moments", MOMENTS)
 def test_nnx_optimizer_matches_plain_optax(moments, weights, jit):
     dtype = jnp.float32 if weights == "float32" else jnp.bfloat16
