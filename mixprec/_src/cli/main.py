@@ -530,7 +530,7 @@ def _add_numerics(sub: argparse._SubParsersAction) -> None:
             type=_positive_int,
             default=None,
             metavar="N",
-            help="console width for rich tables",
+            help="table width in columns (default: the terminal's)",
         )
     inspect.set_defaults(func=_run_inspect)
 
