@@ -140,7 +140,7 @@ def test_bias_add_after_a_dot_is_its_float32_epilogue():
     recs = trace_records(_mlp, params, X, policy="p=f32,c=bf16,o=bf16")
     fused = [r for r in recs if r.primitive == "add"]
     assert len(fused) == 2
-    assert all("fused into the dot" in r.reason for r in fused), fused
+    assert all("the epilogue of the dot" in r.reason for r in fused), fused
     assert all(r.in_dtypes == ("float32", "float32") for r in fused)
     assert all(r.out_dtypes == ("bfloat16",) for r in fused)
 

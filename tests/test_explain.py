@@ -214,7 +214,7 @@ def test_plain_table_renderer_without_rich():
 
 
 def biased(w, b, x):
-    return jax.nn.relu(x @ w + b[None, :])  # a long reason: fused into the dot
+    return jax.nn.relu(x @ w + b[None, :])  # a long reason: the epilogue of the dot
 
 
 def _biased_report():
@@ -249,7 +249,7 @@ def _column(lines: list[str], name: str, after: str) -> str:
 def test_plain_table_fits_the_width_and_wraps_the_reason(width):
     report = _biased_report()
     [add] = report.find("add")
-    assert len(add.reason) > 64 and "fused into the dot" in add.reason
+    assert len(add.reason) > 64 and "the epilogue of the dot" in add.reason
     text = report.table(use_rich=False, width=width)
     lines = _table_lines(text)
     assert max(map(len, lines)) <= width
@@ -286,7 +286,7 @@ def test_table_width_defaults_to_the_terminal(monkeypatch):
 def test_dtype_columns_say_what_they_show():
     report = _biased_report()
     [add] = report.find("add")
-    # The add is fused into the float16 dot: its operands arrive in float16,
+    # The add is the float16 dot's epilogue: its operands arrive in float16,
     # it runs in float32 on the dot's float32 product and gives float16.
     assert add.in_dtypes == ("float32", "float32") and add.out_dtypes == ("float16",)
     text = report.table(use_rich=False, width=220)

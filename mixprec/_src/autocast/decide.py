@@ -72,7 +72,8 @@ other dtype choice autocast makes, so that each is made in one place:
 * :func:`product_request`: how a matmul-like equation runs (its low, out and
   reduce dtypes, float8 recipe and formats, platform), the one argument of its
   formulation;
-* :func:`decide_epilogue`: a bias add fused into the CPU matmul before it;
+* :func:`decide_epilogue`: a bias add run as the epilogue of the CPU matmul
+  before it;
 * :func:`out_marks`: the marks an equation's results carry (see below);
 * :func:`carry_dtypes` and :func:`branch_dtypes`: the types of loop carries
   and of ``cond`` results;
@@ -1277,7 +1278,7 @@ def decide_epilogue(
     as accurate, and XLA:CPU fuses the add into the rounding. ``products`` says
     per operand whether it is such a product (the interpreter keeps them).
 
-    Returns ``(decision, operand)``: the fused decision and which operand to
+    Returns ``(decision, operand)``: the epilogue's decision and which operand to
     replace by the float32 product; ``None`` when ``eqn`` is not such an add.
     """
     if (
@@ -1295,15 +1296,15 @@ def decide_epilogue(
         eqn.invars[other], marks[other], out_shape
     ):
         return None
-    fused = Decision(
+    epilogue = Decision(
         Precision.FLOAT32,
         _F32,
         decision.op_class,
-        f"{decision.reason}; fused into the dot before it: added in float32 to "
+        f"{decision.reason}; the epilogue of the dot before it: added in float32 to "
         f"its float32 product, rounded once to {decision.dtype}",
         out_dtype=decision.dtype,
     )
-    return fused, i
+    return epilogue, i
 
 
 # ------------------------------------------------------------------ loops, branches

@@ -480,7 +480,8 @@ class CastContext:
         walk: where the interpreter is (higher-order rules recurse with it).
         marks: per operand, the interpreter's marks (``FOLLOWS``, ``CONST``).
         out_marks: higher-order rules may fill in the marks of their results.
-        fused: the equation is a bias add fused into the matmul before it
+        epilogue: the equation is a bias add run as the epilogue of the
+            matmul before it
             (:func:`~mixprec._src.autocast.decide.decide_epilogue`): it runs
             through the default rule on that matmul's float32 product.
 
@@ -509,7 +510,7 @@ class CastContext:
     walk: Walk
     marks: Sequence[int]
     out_marks: list[int]
-    fused: bool = False
+    epilogue: bool = False
 
     @property
     def policy(self) -> Any:
@@ -538,7 +539,7 @@ class CastContext:
 def _run_rule(
     spec: ops.OpSpec | None, prim: Any, ctx: CastContext, invals: Sequence[Any]
 ) -> list[Any]:
-    rule = None if ctx.fused else ops.rule_for(spec)
+    rule = None if ctx.epilogue else ops.rule_for(spec)
     if rule is not None:
         outs = rule(ctx, *invals, **ctx.eqn.params)
         return list(outs) if prim.multiple_results else [outs]
@@ -552,11 +553,11 @@ def run_decided(
     invals: Sequence[Any],
     marks: Sequence[int],
     *,
-    fused: bool = False,
+    epilogue: bool = False,
 ) -> list[Any]:
     """Runs a first-order ``eqn`` with a decision already made (no observer)."""
     spec = ops.spec_for(eqn.primitive.name)
-    ctx = CastContext(walk.config, eqn, decision, walk, marks, [], fused)
+    ctx = CastContext(walk.config, eqn, decision, walk, marks, [], epilogue)
     return _run_rule(spec, eqn.primitive, ctx, invals)
 
 
@@ -596,7 +597,7 @@ def run_eqn(
         outs = list(outs) if prim.multiple_results else [outs]
         return outs, hop_marks
     decision = decide_eqn(walk, eqn, spec, invals, marks)
-    fused = False
+    epilogue = False
     if walk.facts.wide:
         wide = walk.facts.wide
         products = [type(v) is not Literal and v in wide for v in eqn.invars]
@@ -604,11 +605,11 @@ def run_eqn(
         if epilogue is not None:
             decision, i = epilogue
             invals[i] = wide[eqn.invars[i]]
-            fused = True
+            epilogue = True
     # (A fused op's rule fills in its results' marks; a fusion not fused runs
     # its equations, each reported on its own, and is not an op itself.)
     rule_marks: list[int] = []
-    ctx = CastContext(walk.config, eqn, decision, walk, marks, rule_marks, fused)
+    ctx = CastContext(walk.config, eqn, decision, walk, marks, rule_marks, epilogue)
     outs = _run_rule(spec, prim, ctx, invals)
     if spec is not None and spec.product is not None and not walk.backward:
         _note_partners(walk, eqn, decision, invals)
@@ -621,7 +622,9 @@ def run_eqn(
 
             def rerun(values: Sequence[Any]) -> list[Any]:
                 with _eqn_context(eqn):
-                    return run_decided(plain, eqn, decision, values, marks, fused=fused)
+                    return run_decided(
+                        plain, eqn, decision, values, marks, epilogue=epilogue
+                    )
 
         walk.observer.on_eqn(
             walk, eqn, decision, ran_with(decision, eqn, invals), invals, outs, rerun

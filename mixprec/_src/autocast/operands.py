@@ -139,7 +139,7 @@ def cast_operands(ctx: CastContext, invals: Sequence[Any]) -> list[Any]:
     spec = ops.spec_for(eqn.primitive.name)
     elementwise = spec is not None and ops.BROADCASTS in spec.flags
     fill = spec is not None and ops.FILL in spec.flags
-    # The dtype the result is rounded to (a bias add fused into a CPU dot's
+    # The dtype the result is rounded to (a bias add run as a CPU dot's epilogue
     # float32 product adds in float32 and rounds once).
     result = np.dtype(d.out_dtype) if d.out_dtype is not None else np.dtype(target)
     masks = (
