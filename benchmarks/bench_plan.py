@@ -149,36 +149,81 @@ def train(loss_fn, params, batches, policy, lr):
     return params, losses, step, state
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--d-model", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--massive", type=float, default=1e5)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--eval-batches", type=int, default=8)
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args(argv)
+def timed_plan(loss_fn, params, batch):
+    """``mixprec.plan(loss_fn, params, batch)`` and where its time goes.
 
-    env_start = timing.environment()
-    text = data.load_shakespeare(["hamlet"])
+    Wraps (for the duration of the call only) the ``explain`` and
+    ``diagnose`` runs and each compiled loss-and-gradients measurement; the
+    first measurement is the float32 reference (plain ``jax.jit``), the rest
+    one per (site, candidate), each a fresh autocast trace and compile.
+    """
+    from mixprec._src.numerics import diagnose as diag_mod, explain as expl_mod
+
+    parts = {"explain": [], "diagnose": [], "measure": []}
+    saved = (expl_mod.explain, diag_mod.diagnose, planner._value_and_grad)
+
+    def timed(name, f):
+        def g(*a, **k):
+            t = time.perf_counter()
+            out = f(*a, **k)
+            parts[name].append(time.perf_counter() - t)
+            return out
+
+        return g
+
+    def value_and_grad(*a, **k):
+        return timed("measure", saved[2](*a, **k))
+
+    expl_mod.explain = timed("explain", saved[0])
+    diag_mod.diagnose = timed("diagnose", saved[1])
+    planner._value_and_grad = value_and_grad
+    try:
+        t0 = time.perf_counter()
+        plan = mixprec.plan(loss_fn, params, batch)
+        seconds = time.perf_counter() - t0
+    finally:
+        expl_mod.explain, diag_mod.diagnose, planner._value_and_grad = saved
+    ref, *sites = parts["measure"] or [0.0]
+    breakdown = {
+        "explain_runs": len(parts["explain"]),
+        "explain_seconds": sum(parts["explain"]),
+        "diagnose_runs": len(parts["diagnose"]),
+        "diagnose_seconds": sum(parts["diagnose"]),
+        "float32_reference_seconds": ref,
+        "site_measurements": len(sites),
+        "site_measurement_seconds": sum(sites),
+        "site_measurement_median_seconds": float(np.median(sites)) if sites else None,
+    }
+    return plan, seconds, breakdown
+
+
+def step_seconds(step, params, state, batches):
+    """Median warm time of one training step."""
+    times = []
+    for b in batches[:5]:
+        s = time.perf_counter()
+        jax.block_until_ready(step(params, state, b))
+        times.append(time.perf_counter() - s)
+    return float(np.median(times))
+
+
+def run_model(args, text, massive, label):
+    """Plan at seed 0's initialisation, then train every variant per seed."""
     vocab = len(text.vocab)
     config, loss_fn, init = make_model(
-        vocab, args.d_model, args.layers, args.seq, args.massive
+        vocab, args.d_model, args.layers, args.seq, massive
     )
-    params0 = init(jax.random.key(0))
-    it = data.iterate_sequences(text.train, args.batch, args.seq, seed=0)
-    batches = [tuple(jnp.asarray(a) for a in next(it)) for _ in range(args.steps)]
-    vit = data.iterate_sequences(text.valid, args.batch, args.seq, seed=1)
+    vit = data.iterate_sequences(text.valid, args.batch, args.seq, seed=1000)
     valid = [tuple(jnp.asarray(a) for a in next(vit)) for _ in range(args.eval_batches)]
 
-    # The plan, measured at the initialisation on the first batch.
-    t0 = time.perf_counter()
-    plan = mixprec.plan(loss_fn, params0, batches[0])
-    plan_seconds = time.perf_counter() - t0
-    print(plan)
+    def start(seed):
+        it = data.iterate_sequences(text.train, args.batch, args.seq, seed=seed)
+        batches = [tuple(jnp.asarray(a) for a in next(it)) for _ in range(args.steps)]
+        return init(jax.random.key(seed)), batches
+
+    params0, batches0 = start(0)
+    plan, plan_seconds, breakdown = timed_plan(loss_fn, params0, batches0[0])
+    print(f"[{label}]", plan, breakdown, flush=True)
 
     variants = [
         ("float32", None),
@@ -186,33 +231,46 @@ def main(argv=None) -> int:
         ("mixed_float8", "mixed_float8"),
         ("plan", plan),
     ]
-    results = {}
-    step_time = None
     eval_loss = jax.jit(loss_fn)
-    for name, policy in variants:
-        t0 = time.perf_counter()
-        params, losses, step, state = train(loss_fn, params0, batches, policy, args.lr)
-        wall = time.perf_counter() - t0
-        ev = float(np.mean([float(eval_loss(params, b)) for b in valid]))
-        results[name] = {
-            "train_loss_last10": float(np.mean(losses[-10:])),
-            "eval_loss": ev,
-            "finite": bool(np.isfinite(losses).all()),
-            "train_seconds": wall,
-        }
-        if name == "float32":  # one step's time, warm
-            times = []
-            for b in batches[:5]:
-                s = time.perf_counter()
-                out = step(params, state, b)
-                jax.block_until_ready(out)
-                times.append(time.perf_counter() - s)
-            step_time = float(np.median(times))
-        print(name, results[name], flush=True)
+    results = {name: {"seeds": []} for name, _ in variants}
+    step_time = None
+    for seed in range(args.seeds):
+        params_s, batches = (params0, batches0) if seed == 0 else start(seed)
+        for name, policy in variants:
+            t0 = time.perf_counter()
+            params, losses, step, state = train(
+                loss_fn, params_s, batches, policy, args.lr
+            )
+            wall = time.perf_counter() - t0
+            ev = float(np.mean([float(eval_loss(params, b)) for b in valid]))
+            results[name]["seeds"].append(
+                {
+                    "seed": seed,
+                    "train_loss_last10": float(np.mean(losses[-10:])),
+                    "eval_loss": ev,
+                    "finite": bool(np.isfinite(losses).all()),
+                    "train_seconds": wall,
+                }
+            )
+            if name == "float32" and seed == 0:
+                step_time = step_seconds(step, params, state, batches)
+            print(f"[{label}] seed {seed} {name} eval {ev:.4f}", flush=True)
+    for r in results.values():
+        evs = [x["eval_loss"] for x in r["seeds"]]
+        r.update(eval_mean=float(np.mean(evs)), eval_min=min(evs), eval_max=max(evs))
+    bf16, planned = results["mixed_bfloat16"], results["plan"]
+    within = {
+        "bf16_range": [bf16["eval_min"], bf16["eval_max"]],
+        "plan_mean": planned["eval_mean"],
+        "plan_mean_within_or_below": planned["eval_mean"] <= bf16["eval_max"],
+        "plan_seeds_within_or_below": sum(
+            x["eval_loss"] <= bf16["eval_max"] for x in planned["seeds"]
+        ),
+    }
 
-    dims = site_dims(loss_fn, params0, batches[0])
+    dims = site_dims(loss_fn, params0, batches0[0])
     f8_share, f8_runs, flops = float8_flops_of(
-        loss_fn, params0, batches[0], "mixed_float8"
+        loss_fn, params0, batches0[0], "mixed_float8"
     )
     plan_runs = {s.key: planner._site_runs_as(s, s.policy) for s in plan.sites}
     torchao_runs = {}
@@ -242,24 +300,29 @@ def main(argv=None) -> int:
                 "torchao_rule_runs": torchao_runs.get(s.key),
             }
         )
+    # What no float8 policy can run in float8 here: products the recipe keeps
+    # 16-bit (a dimension under its min_dim), whatever the plan says.
+    kept_16bit = sum(f for k, f in flops.items() if f8_runs.get(k) != "float8")
     summary = {
         "float8_flop_share": {
             "mixed_float8": f8_share,
             "plan": share(plan_runs),
             "torchao_rule": share(torchao_runs),
         },
+        "recipe_keeps_16bit_flop_share": kept_16bit / total,
+        "matmul_flops": total,
         "est_h100_matmul_speedup_vs_bf16": {
             "mixed_float8": est_speedup(f8_runs, flops),
             "plan": est_speedup(plan_runs, flops),
             "torchao_rule": est_speedup(torchao_runs, flops),
         },
+        "eval_vs_bf16_seed_range": within,
         "plan_seconds": plan_seconds,
+        "plan_breakdown": breakdown,
         "float32_step_seconds": step_time,
         "plan_cost_in_steps": plan_seconds / step_time if step_time else None,
     }
-    out = {
-        "benchmark": "bench_plan",
-        "args": vars(args),
+    return {
         "model": {
             "vocab": vocab,
             "d_model": args.d_model,
@@ -267,18 +330,22 @@ def main(argv=None) -> int:
             "seq": args.seq,
             "batch": args.batch,
             "massive_layer": f"block_{args.layers - 1}/mlp product 0",
-            "massive": args.massive,
+            "massive": massive,
             "params": config.num_params,
         },
         "results": results,
         "summary": summary,
         "sites": sites,
         "plan": plan.to_dict(),
-        "environment_start": env_start,
-        "loadavg_end": timing.loadavg(),
     }
+
+
+def render(label, r):
+    summary, results = r["summary"], r["results"]
     rows = [
-        "| variant | train loss (last 10) | eval loss | float8 FLOPs "
+        f"### {label} (massive = {r['model']['massive']:g})",
+        "",
+        "| variant | eval loss per seed | eval mean [min, max] | float8 FLOPs "
         "| est. H100 matmul speed-up vs bf16 |",
         "|---|---|---|---|---|",
     ]
@@ -288,7 +355,8 @@ def main(argv=None) -> int:
         ("mixed_float8", "mixed_float8"),
         ("plan", "plan"),
     ):
-        r = results[name]
+        x = results[name]
+        per = ", ".join(f"{s['eval_loss']:.4f}" for s in x["seeds"])
         f8 = "" if key is None else f"{summary['float8_flop_share'][key]:.1%}"
         up = (
             "1.00x"
@@ -298,37 +366,95 @@ def main(argv=None) -> int:
             else f"{summary['est_h100_matmul_speedup_vs_bf16'][key]:.2f}x"
         )
         rows.append(
-            f"| {name} | {r['train_loss_last10']:.4f} | {r['eval_loss']:.4f} "
-            f"| {f8} | {up} |"
+            f"| {name} | {per} | {x['eval_mean']:.4f} [{x['eval_min']:.4f}, "
+            f"{x['eval_max']:.4f}] | {f8} | {up} |"
         )
     rows.append(
         f"| torchao shape rule (not trained: same as bf16 where it skips all) | | | "
         f"{summary['float8_flop_share']['torchao_rule']:.1%} | "
         f"{summary['est_h100_matmul_speedup_vs_bf16']['torchao_rule']:.2f}x |"
     )
-    site_rows = [
+    w = summary["eval_vs_bf16_seed_range"]
+    rows += [
+        "",
+        f"plan mean eval {w['plan_mean']:.4f} vs bf16 seed range "
+        f"[{w['bf16_range'][0]:.4f}, {w['bf16_range'][1]:.4f}]: within or below: "
+        f"{w['plan_mean_within_or_below']} ({w['plan_seeds_within_or_below']} of "
+        f"{len(results['plan']['seeds'])} seeds at or below bf16's max). "
+        f"FLOPs the float8 recipe keeps 16-bit under any float8 policy: "
+        f"{summary['recipe_keeps_16bit_flop_share']:.1%}.",
+        "",
         "| site | M,N,K | effect f8 | effect bf16 | all-f8 runs | plan "
         "| torchao rule |",
         "|---|---|---|---|---|---|---|",
     ]
-    for s in sites:
+    for s in r["sites"]:
         d = s["dims"]
         mnk = ",".join(str(d.get(x, "")) for x in ("M", "N", "K"))
         ef8 = s["effect_float8"]
         ebf = s["effect_bfloat16"]
-        site_rows.append(
+        rows.append(
             f"| {'/'.join(map(str, s['site']))} | {mnk} | "
             f"{'inf' if ef8 is None else f'{ef8:.3g}'} | "
             f"{'inf' if ebf is None else f'{ebf:.3g}'} | {s['all_float8_runs']} | "
             f"{s['plan_runs']} | {s['torchao_rule_runs']} |"
         )
-    cost = (
-        f"mixprec.plan took {plan_seconds:.1f} s = "
+    b = summary["plan_breakdown"]
+    rows += [
+        "",
+        f"mixprec.plan took {summary['plan_seconds']:.1f} s = "
         f"{summary['plan_cost_in_steps']:.0f} float32 training steps "
-        f"({step_time * 1e3:.1f} ms each) on {env_start['device']} "
-        f"(load {env_start['loadavg']} -> {out['loadavg_end']})"
+        f"({summary['float32_step_seconds'] * 1e3:.1f} ms each): "
+        f"{b['explain_runs']} explain {b['explain_seconds']:.1f} s, "
+        f"{b['diagnose_runs']} diagnose {b['diagnose_seconds']:.1f} s, "
+        f"float32 reference (jit+run) {b['float32_reference_seconds']:.1f} s, "
+        f"{b['site_measurements']} site measurements (autocast trace+compile+run) "
+        f"{b['site_measurement_seconds']:.1f} s "
+        f"(median {b['site_measurement_median_seconds']:.2f} s each).",
+        "",
+    ]
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--d-model", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--massive", type=float, default=1e5)
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument(
+        "--no-unmodified",
+        action="store_true",
+        help="skip the demo's unmodified LM (no massive channels)",
     )
-    md = "\n".join([*rows, "", *site_rows, "", cost]) + "\n"
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--eval-batches", type=int, default=8)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+
+    env_start = timing.environment()
+    text = data.load_shakespeare(["hamlet"])
+    models_out = {"massive": run_model(args, text, args.massive, "massive")}
+    if not args.no_unmodified:
+        models_out["unmodified"] = run_model(args, text, 1.0, "unmodified")
+    out = {
+        "benchmark": "bench_plan",
+        "args": vars(args),
+        "models": models_out,
+        "environment_start": env_start,
+        "loadavg_end": timing.loadavg(),
+    }
+    md_rows = []
+    for label, r in models_out.items():
+        md_rows += render(label, r)
+    md_rows.append(
+        f"on {env_start['device']} (load {env_start['loadavg']} -> "
+        f"{out['loadavg_end']})"
+    )
+    md = "\n".join(md_rows) + "\n"
     print(md)
     path = pathlib.Path(
         args.out
