@@ -839,3 +839,33 @@ def test_saturate_mask_keeps_a_mask_finite_with_room_for_a_score(low):
     # Cast down, a score within range added to it does not overflow.
     score = jnp.asarray(-big / 2, low)
     assert bool(jnp.all(jnp.isfinite(jnp.asarray(got[:4]).astype(low) + score)))
+
+
+@pytest.mark.parametrize("low", ["bfloat16", "float16"])
+def test_whole_step_under_remat_names_its_unfused_backward(low, monkeypatch):
+    # `jax.checkpoint` around the attention of a whole step: the forward is
+    # fused at top level, the backward is recomputed in the checkpoint's body
+    # (another jaxpr) and runs op by op; explain and diagnose say so. Wrapping
+    # the loss alone fuses both passes (the cuda export has both kernels).
+    monkeypatch.setattr(
+        _compat.cudnn_attention_module(), "check_cudnn_version", lambda: 91000
+    )
+    q, k, v = _qkv()
+    policy = f"mixed_{low}"
+    loss = _sum_loss(jax.checkpoint(gpt_causal))
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    report = mixprec.explain(grad, q, k, v, policy=policy)
+    [note] = [n for n in report.notes if "forward fused, backward not" in n]
+    assert "jax.checkpoint" in note and "loss alone" in note
+    diag = mixprec.diagnose(grad, q, k, v, policy=policy)
+    assert any("forward fused, backward not" in n for n in diag.notes)
+    # Without the checkpoint, or with autocast around the loss: no such note.
+    plain_step = jax.grad(_sum_loss(gpt_causal), argnums=(0, 1, 2))
+    report = mixprec.explain(plain_step, q, k, v, policy=policy)
+    assert not any("backward not" in n for n in report.notes)
+    wrapped = mixprec.autocast(loss, policy)
+    report = mixprec.explain(loss, q, k, v, policy=policy)
+    assert not any("backward not" in n for n in report.notes)
+    text = _cuda_text(jax.grad(wrapped, argnums=(0, 1, 2)), q, k, v)
+    calls = set(re.findall(r"custom_call @([\w$]+)", text))
+    assert {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"} <= calls, calls

@@ -441,6 +441,8 @@ def unfused_attention_notes(
                     "mixprec.autocast(loss, policy)); JAX then differentiates the "
                     "fused kernel."
                 )
+        if derived and dots >= 2:
+            notes.extend(_recomputed_backward_notes(jaxpr, consts, known(), where))
         for eqn in jaxpr.eqns:
             bodies = _bodies(eqn)
             if not bodies:
@@ -462,6 +464,55 @@ def unfused_attention_notes(
 
     visit(jaxpr, consts, lambda: known, False, "")
     return notes
+
+
+#: The primitives of ``jax.checkpoint`` (``jax.remat``) across JAX releases.
+_REMAT_PRIMITIVES = frozenset({"remat2", "checkpoint", "remat_opt"})
+
+
+def _recomputed_backward_notes(
+    jaxpr: Jaxpr, consts: Sequence[Any], known: Sequence[Any], where: str
+) -> list[str]:
+    """Notes for the attentions of a differentiated ``jaxpr`` fused forward
+    only, because their backward pass is recomputed inside a
+    ``jax.checkpoint`` body of ``jaxpr``'s backward pass: the forward is
+    proven and fused here, the backward (the recomputed weights and their
+    derivative, with no ``·v`` of their own) is in another jaxpr."""
+    remats = [
+        eqn
+        for eqn in jaxpr.eqns
+        if eqn.primitive.name in _REMAT_PRIMITIVES
+        and _compat.eqn_transformed_by(eqn.source_info, "transpose")
+        and any(
+            sum(e.primitive.name == "dot_general" for e in _open(body).eqns) >= 2
+            for _, body in _bodies(eqn)
+        )
+    ]
+    if not remats:
+        return []
+    remat = short_source(_compat.eqn_source_summary(remats[0].source_info))
+    notes = []
+    for m in attention.find(jaxpr, consts, known).values():
+        if m.backward is not None:
+            continue
+        source = short_source(_compat.eqn_source_summary(m.eqn.source_info))
+        at = f" [in {where}]" if where else ""
+        notes.append(
+            f"dot_product_attention ({m.pattern}) at {source or '<unknown>'}{at}: "
+            "forward fused, backward not. Its backward pass is recomputed inside "
+            f"a jax.checkpoint body ({remat or '<unknown>'}) of the backward pass, "
+            "another jaxpr, where autocast cannot prove it against the fused "
+            "forward: it runs op by op (on a GPU: no cuDNN backward kernel, and the "
+            "attention weights are recomputed and materialised). To fuse both "
+            "passes, apply autocast to the loss alone (inside or outside the "
+            "checkpoint) and differentiate that: JAX then differentiates the "
+            "fused kernel."
+        )
+    return notes
+
+
+def _open(body: Any) -> Jaxpr:
+    return body.jaxpr if isinstance(body, ClosedJaxpr) else body
 
 
 def traced_attention_notes(config: Any, source: Any) -> list[str]:
