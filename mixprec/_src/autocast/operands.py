@@ -82,9 +82,12 @@ def saturate_mask(x: Any, dtype: Any) -> Any:
         arr = np.asarray(x)
         out = np.where(arr > big, half, np.where(arr < -big, -half, arr))
         return out.astype(arr.dtype)
-    # (lax, not jnp.where: its ops are reported one by one, as run.)
-    below = lax.select(lax.lt(x, lax.full_like(x, -big)), lax.full_like(x, -half), x)
-    return lax.select(lax.gt(x, lax.full_like(x, big)), lax.full_like(x, half), below)
+    # Four ops with scalar bounds (lax, not jnp.where, whose nested jits
+    # would be reported as one op).
+    dt = np.dtype(x.dtype)
+    beyond = lax.gt(lax.abs(x), np.asarray(big, dt))
+    halved = lax.clamp(np.asarray(-half, dt), x, np.asarray(half, dt))
+    return lax.select(beyond, halved, x)
 
 
 def cast(x: Any, dtype: Any, *, saturate: bool = False) -> Any:
@@ -217,10 +220,8 @@ def _saturate_mask(walk: Walk, eqn: JaxprEqn, var: Any, x: Any, dtype: np.dtype)
     if fits is not None and fits[0] <= big:
         return x
     reason = (
-        f"autocast's own: a bias beyond {dtype}'s range is a mask bias "
-        f"(finfo(float32).min, -1e9): it becomes ±{big / 2:.5g}, half {dtype}'s "
-        "largest value, so that it neither rounds to -inf nor overflows when a "
-        "score is added; values in range are kept"
+        f"autocast's own: a bias beyond {dtype}'s range is a mask bias; it becomes "
+        f"±{big / 2:.4g} (half the largest {dtype}, room to add a score)"
     )
     own = _mask_saturation(tuple(np.shape(x)), np.dtype(x.dtype), np.dtype(dtype))
     return run_own(walk, eqn, own, x, reason=reason)
