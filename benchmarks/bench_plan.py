@@ -10,7 +10,11 @@ down so that its output is of order one. Tensorwise float8 scales that
 layer's input by its largest value, so every other value of it flushes (or
 nearly) to zero; no other layer is affected.
 
-It compares, from the same initialisation on the same batches (AdamW):
+It compares, for each of ``--seeds`` seeds (initialisation and batch order;
+default 3), from the same initialisation on the same batches (AdamW), and
+for this LM and the demo's unmodified one (no massive channels; skip it
+with ``--no-unmodified``); the plan is measured once, at seed 0's
+initialisation:
 
 * float32, all-bfloat16 (``mixed_bfloat16``), all-float8 (``mixed_float8``)
   and the plan ``mixprec.plan`` measures at the initialisation (candidates
@@ -18,7 +22,9 @@ It compares, from the same initialisation on the same batches (AdamW):
 * the share of matmul FLOPs each runs in float8, and the estimated H100
   matmul-time speed-up over all-bfloat16 (FLOPs over
   ``mixprec._src.numerics.plan.THROUGHPUT``; an estimate, not a measurement);
-* what ``mixprec.plan`` costs (wall time) against one float32 training step;
+* what ``mixprec.plan`` costs (wall time) against one float32 training step,
+  and where that time goes (``explain``, ``diagnose``, the float32
+  reference, the per-site compiled measurements);
 * torchao's automatic float8 filter, its shape rule side by side: a product
   is skipped when ``N <= 2048`` or ``K <= 1024`` (no measurement).
 
@@ -26,7 +32,7 @@ CPUs have no float8 arithmetic: float8 products run emulated (exactly), so
 step times here say nothing about float8 speed; the losses are what float8
 numerics do. Writes ``benchmarks/results/plan_<backend>.json`` (and ``.md``).
 
-    python benchmarks/bench_plan.py              # CPU default (a few minutes)
+    python benchmarks/bench_plan.py              # CPU default (about 6 minutes)
     python benchmarks/bench_plan.py --steps 3    # smoke
 """
 
