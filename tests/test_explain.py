@@ -2,6 +2,7 @@
 
 import inspect
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -294,7 +295,7 @@ def test_dtype_columns_say_what_they_show():
     assert "ran with" in header and "result" in header
     assert "in" not in [h.strip() for h in header]
     assert "ran with: the dtypes of the operands the op computed with, after" in text
-    row = next(line for line in _table_lines(text) if " add " in line)
+    row = next(line for line in _table_lines(text) if re.match(r"\d+\s+add\s", line))
     assert "f32,f32" in row and "f16" in row and "its operands are float16" in row
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import mixprec
-from mixprec._src.autocast.interpreter import PlanWarning
+from mixprec._src.autocast.walk import PlanWarning
 from mixprec._src.numerics import plan as planner
 from mixprec._src.plan import Rule, Site
 

@@ -44,8 +44,8 @@ from jax.extend.core import jaxpr_as_fun
 from mixprec._src import _compat
 from mixprec._src.autocast import interpreter, nnx_state, regions, rules
 from mixprec._src.autocast.config import CastConfig, make_config
-from mixprec._src.autocast.interpreter import Observer, Walk
 from mixprec._src.autocast.ops import OpLists
+from mixprec._src.autocast.walk import Observer, Walk
 from mixprec._src.plan import Plan
 from mixprec._src.policy import Policy, get_global_policy
 

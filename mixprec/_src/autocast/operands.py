@@ -18,9 +18,10 @@ Examples:
 
 from __future__ import annotations
 
+import dataclasses
 import functools as ft
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -31,14 +32,13 @@ from jax.extend.core import ClosedJaxpr, JaxprEqn, Literal
 from mixprec._src import _compat
 from mixprec._src.autocast import jaxprs, ops
 from mixprec._src.autocast.avals import aval_dtype, aval_shape, float_dtype, same_shape
+from mixprec._src.autocast.config import CastConfig
 from mixprec._src.autocast.decide import BIG, CONST, Decision, Precision, follows
-
-
-if TYPE_CHECKING:
-    from mixprec._src.autocast.interpreter import CastContext, Walk
+from mixprec._src.autocast.walk import Walk
 
 
 __all__ = [
+    "CastContext",
     "bind",
     "cast",
     "cast_operands",
@@ -112,6 +112,76 @@ def cast(x: Any, dtype: Any, *, saturate: bool = False) -> Any:
 @ft.lru_cache(maxsize=64)
 def _converter(dtype: np.dtype) -> Any:
     return ft.partial(lax.convert_element_type, new_dtype=dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class CastContext:
+    """What a cast rule receives about the equation it runs.
+
+    A rule is called as ``rule(ctx, *invals, **params)`` with the values the
+    equation receives (possibly already in a low dtype) and the equation's
+    params, and returns the output (a list for primitives with several
+    results). ``ctx.decision`` says what to cast the floating operands to;
+    :meth:`cast_operands` applies it the way the built-in rules do.
+
+    Attributes:
+        config: the transform's :class:`~mixprec._src.autocast.config.CastConfig`.
+        eqn: the equation being run.
+        decision: its :class:`~mixprec._src.autocast.decide.Decision`.
+        walk: where the interpreter is (higher-order rules recurse with it).
+        marks: per operand, the interpreter's marks (``FOLLOWS``, ``CONST``).
+        out_marks: higher-order rules may fill in the marks of their results.
+        epilogue: the equation is a bias add run as the epilogue of the
+            matmul before it
+            (:func:`~mixprec._src.autocast.decide.decide_epilogue`): it runs
+            through the default rule on that matmul's float32 product.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> import mixprec
+        >>> from jax.extend.core import Primitive
+        >>> triple_p = Primitive("triple")
+        >>> triple_p.def_impl(lambda x: 3 * x)
+        <function <lambda> ...>
+        >>> triple_p.def_abstract_eval(lambda x: x)
+        <function <lambda> ...>
+        >>> @mixprec.register_rule(triple_p)
+        ... def _triple_rule(ctx, x):
+        ...     return triple_p.bind(*ctx.cast_operands([x]))
+        >>> f = mixprec.autocast(lambda x: triple_p.bind(x @ x), "mixed_bfloat16")
+        >>> jaxpr = jax.make_jaxpr(f)(jnp.ones((2, 2)))
+        >>> [str(e.outvars[0].aval.dtype)
+        ...  for e in jaxpr.eqns if e.primitive is triple_p]
+        ['bfloat16']
+    """
+
+    config: CastConfig
+    eqn: JaxprEqn
+    decision: Decision
+    walk: Walk
+    marks: Sequence[int]
+    out_marks: list[int]
+    epilogue: bool = False
+
+    @property
+    def policy(self) -> Any:
+        """The policy in effect."""
+        return self.config.policy
+
+    @property
+    def low_dtype(self) -> np.dtype:
+        """The dtype allow-list ops run in."""
+        return self.config.low_dtype
+
+    @property
+    def platform(self) -> str | None:
+        """The platform dots are formulated for, or ``None``: each platform's,
+        chosen when the computation is lowered."""
+        return self.config.platform
+
+    def cast_operands(self, invals: Sequence[Any]) -> list[Any]:
+        """The operands cast as the decision says (see :func:`cast_operands`)."""
+        return cast_operands(self, invals)
 
 
 def cast_operands(ctx: CastContext, invals: Sequence[Any]) -> list[Any]:
@@ -221,7 +291,8 @@ def _saturate_mask(walk: Walk, eqn: JaxprEqn, var: Any, x: Any, dtype: np.dtype)
         return x
     reason = (
         f"autocast's own: a bias beyond {dtype}'s range is a mask bias; it becomes "
-        f"±{big / 2:.4g} (half the largest {dtype}, room to add a score)"
+        f"±{big / 2:.4g} (half the largest {dtype}: a score added to it cannot "
+        "overflow)"
     )
     own = _mask_saturation(tuple(np.shape(x)), np.dtype(x.dtype), np.dtype(dtype))
     return run_own(walk, eqn, own, x, reason=reason)

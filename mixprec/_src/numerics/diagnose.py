@@ -55,9 +55,9 @@ from mixprec._src import float8 as f8
 from mixprec._src._compat import is_tracer
 from mixprec._src.autocast import api, interpreter as itp
 from mixprec._src.autocast.config import make_config
-from mixprec._src.autocast.interpreter import Walk
 from mixprec._src.autocast.mixlist import load_spec
 from mixprec._src.autocast.ops import OpLists
+from mixprec._src.autocast.walk import Walk
 from mixprec._src.numerics import plan as plan_advice
 from mixprec._src.numerics.advice import (
     GradientHistogram,

@@ -48,8 +48,7 @@ from mixprec._src.autocast.attention import (
 )
 from mixprec._src.autocast.avals import aval_shape
 from mixprec._src.autocast.decide import HIGHER_ORDER
-from mixprec._src.autocast.interpreter import CastContext
-from mixprec._src.autocast.operands import saturate_mask
+from mixprec._src.autocast.operands import CastContext, saturate_mask
 from mixprec._src.autocast.platforms import per_platform
 
 

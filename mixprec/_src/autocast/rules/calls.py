@@ -36,8 +36,9 @@ from mixprec._src import _compat
 from mixprec._src.autocast import interpreter as itp, ops
 from mixprec._src.autocast.avals import float_dtype
 from mixprec._src.autocast.decide import CONST
-from mixprec._src.autocast.interpreter import CastContext, Walk
+from mixprec._src.autocast.operands import CastContext
 from mixprec._src.autocast.rules.default import aval_of, cast_all, transform_jaxpr
+from mixprec._src.autocast.walk import Walk
 
 
 __all__ = ["call_body"]

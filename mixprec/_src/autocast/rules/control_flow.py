@@ -45,9 +45,10 @@ from mixprec._src.autocast.decide import (
     branch_dtypes,
     carry_dtypes,
 )
-from mixprec._src.autocast.interpreter import CastContext, Observer, Walk
+from mixprec._src.autocast.operands import CastContext
 from mixprec._src.autocast.rules import calls
 from mixprec._src.autocast.rules.default import aval_of, cast_all, hoist_consts
+from mixprec._src.autocast.walk import Observer, Walk
 
 
 __all__ = [

@@ -19,7 +19,8 @@ from jax.extend.core import ClosedJaxpr, Jaxpr
 from mixprec._src import _compat
 from mixprec._src.autocast import interpreter as itp, ops
 from mixprec._src.autocast.avals import aval_dtype, float_dtype
-from mixprec._src.autocast.interpreter import CastContext, Walk
+from mixprec._src.autocast.operands import CastContext
+from mixprec._src.autocast.walk import Walk
 
 
 __all__ = [

@@ -30,7 +30,7 @@ import numpy as np
 from jax import lax
 
 from mixprec._src.autocast import dots, interpreter as itp, ops
-from mixprec._src.autocast.interpreter import CastContext
+from mixprec._src.autocast.operands import CastContext
 from mixprec._src.autocast.request import ProductRequest
 
 
