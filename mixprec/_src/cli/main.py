@@ -210,8 +210,9 @@ the loss-scale trace). The tables are also printed.
 How long it takes depends on the CPU, on how busy it is (other processes
 sharing its cores) and on the sizes. Measured on 2 AMD EPYC cores with AVX-512
 BF16, shared with other jobs: the defaults (3,000 training steps: 5 runs of
-each workload, float32 with 3 seeds) took 11.5 min at a load average that rose
-from 2 to 9, and 13.7 min at a load average of 10-11; --size tiny took 2 min
+each workload, float32 with 3 seeds) took 2.4 min on the idle machine, 11.5
+min at a load average that rose from 2 to 9, and 13.7 min at a load average of
+10-11; --size tiny took 2 min
 at a load average of 11 (docs/demo.md lists the measured runs). --seeds 1
 skips 2 of the 5 runs of each workload. Progress goes to stderr: bars on a
 terminal; elsewhere (a file, a pipe, a CI log) a line per run as it starts and
