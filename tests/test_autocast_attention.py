@@ -19,8 +19,10 @@ from helpers import assert_trees_close
 
 import mixprec
 from mixprec._src import _compat
-from mixprec._src.autocast import attention
-from mixprec._src.autocast.rules import attention as attention_rule
+from mixprec._src.autocast.fusions.attention import (
+    pattern as attention,
+    rule as attention_rule,
+)
 
 
 B, T, N, H = 2, 16, 4, 64

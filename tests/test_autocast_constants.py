@@ -28,8 +28,11 @@ from jax.sharding import AxisType, PartitionSpec
 
 import mixprec
 from mixprec._src import _compat
-from mixprec._src.autocast import attention, interpreter
-from mixprec._src.autocast.rules import attention as attention_rule
+from mixprec._src.autocast import interpreter
+from mixprec._src.autocast.fusions.attention import (
+    pattern as attention,
+    rule as attention_rule,
+)
 
 
 POLICIES = {"mixed_bfloat16": jnp.bfloat16, "mixed_float16": jnp.float16}

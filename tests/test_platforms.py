@@ -323,7 +323,7 @@ def test_no_cudnn_on_the_tracing_host_keeps_attention_unfused_without_tracing_it
     monkeypatch,
 ):
     from mixprec._src import _compat
-    from mixprec._src.autocast.rules import attention as attention_rule
+    from mixprec._src.autocast.fusions.attention import rule as attention_rule
 
     def missing():
         raise RuntimeError("cuDNN is not detected.")

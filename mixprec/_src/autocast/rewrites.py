@@ -30,7 +30,7 @@ from typing import Any
 
 from jax.extend.core import Jaxpr
 
-from mixprec._src.autocast import attention
+from mixprec._src.autocast.fusions.attention import pattern as attention
 
 
 __all__ = ["PASSES", "rewrite"]

@@ -25,8 +25,9 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from mixprec._src import _compat
-from mixprec._src.autocast import api, attention, jaxprs
+from mixprec._src.autocast import api, jaxprs
 from mixprec._src.autocast.config import make_config
+from mixprec._src.autocast.fusions.attention import pattern as attention
 from mixprec._src.numerics.record import (
     AlignmentIssue,
     OpRecord,
@@ -371,7 +372,7 @@ def unfused_attention_notes(
     leave that body (the residuals JAX returns from the forward body of a
     differentiated ``lax.scan`` or ``jit`` for a backward pass it puts in
     another body) has no backward pass beside it to prove: neither pass is
-    fused (:func:`~mixprec._src.autocast.attention.unpaired`).
+    fused (:func:`~mixprec._src.autocast.fusions.attention.pattern.unpaired`).
 
     Args:
       jaxpr: the traced program (as autocast walks it).

@@ -23,7 +23,8 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from mixprec._src import _compat
-from mixprec._src.autocast import attention, ops
+from mixprec._src.autocast import ops
+from mixprec._src.autocast.fusions.attention import pattern as attention
 
 
 __all__ = [

@@ -2,8 +2,8 @@
 flow, calls, fused attention, and the defaults. Importing this package
 attaches every rule to its entry in :mod:`mixprec._src.autocast.ops`."""
 
+from mixprec._src.autocast.fusions.attention import rule as attention
 from mixprec._src.autocast.rules import (
-    attention,
     calls,
     control_flow,
     default,

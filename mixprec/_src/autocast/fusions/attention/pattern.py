@@ -76,7 +76,7 @@ __all__ = [
 #: The private primitive of a recognised attention: one equation in place of
 #: its forward equations (``part="forward"``) or of its proven backward pass
 #: (``part="backward"``). Only the walk runs it (its rule:
-#: :mod:`mixprec._src.autocast.rules.attention`); it is never bound.
+#: :mod:`mixprec._src.autocast.fusions.attention.rule`); it is never bound.
 ATTENTION_P = Primitive("dot_product_attention")
 ATTENTION_P.multiple_results = True
 
@@ -885,7 +885,7 @@ def rewrite(
 
     The equations replaced travel in the :class:`Match`; the walk decides the
     new equation like any op and runs it fused or, where it is not fused, runs
-    them in its place (see :mod:`mixprec._src.autocast.rules.attention`).
+    them in its place (see :mod:`mixprec._src.autocast.fusions.attention.rule`).
     """
     matches = find(jaxpr, consts, known)
     if not matches:

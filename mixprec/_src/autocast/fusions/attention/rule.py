@@ -1,10 +1,10 @@
 """The op of a recognised attention: its table entry, its rule, and its
 formulation per platform.
 
-The rewrite pass (:func:`mixprec._src.autocast.attention.rewrite`) puts one
-equation of :data:`~mixprec._src.autocast.attention.ATTENTION_P` in place of
-a written-out attention (``part="forward"``) and, in a differentiated
-program, another in place of its proven backward pass (``part="backward"``).
+The rewrite pass (:func:`.pattern.rewrite`) puts one equation of
+:data:`.pattern.ATTENTION_P` in place of a written-out attention
+(``part="forward"``) and, in a differentiated program, another in place of
+its proven backward pass (``part="backward"``).
 :func:`~mixprec._src.autocast.decide.decide_fusion` decides each like any op;
 this rule runs it:
 
@@ -40,14 +40,14 @@ import numpy as np
 
 from mixprec._src import _compat
 from mixprec._src.autocast import interpreter as itp, jaxprs, ops
-from mixprec._src.autocast.attention import (
+from mixprec._src.autocast.avals import aval_shape
+from mixprec._src.autocast.decide import HIGHER_ORDER
+from mixprec._src.autocast.fusions.attention.pattern import (
     ATTENTION_P,
     Match,
     canonical_layout,
     step_out_labels,
 )
-from mixprec._src.autocast.avals import aval_shape
-from mixprec._src.autocast.decide import HIGHER_ORDER
 from mixprec._src.autocast.operands import CastContext, saturate_mask
 from mixprec._src.autocast.platforms import per_platform
 
