@@ -38,7 +38,7 @@ import numpy as np
 from jax.extend.core import JaxprEqn, Literal
 
 from mixprec._src import _compat
-from mixprec._src.autocast import jaxprs, ops
+from mixprec._src.autocast import folding, jaxprs, ops
 from mixprec._src.autocast.avals import aval_shape, float_dtype
 from mixprec._src.autocast.decide import CONST
 
@@ -187,8 +187,7 @@ def fold_constant(facts: Facts, eqn: JaxprEqn, inmarks: Sequence[int]) -> None:
     if any(a is None for a in args):
         return
     try:
-        with jax.ensure_compile_time_eval():
-            [value] = jaxprs.bind_as_written(eqn, args)
+        [value] = folding.evaluate(eqn, args)
         value = np.asarray(value)
     except Exception:  # noqa: BLE001  (not computable here: range unknown)
         return

@@ -59,7 +59,7 @@ import numpy as np
 from jax.extend.core import Jaxpr, JaxprEqn, Literal, Primitive, new_jaxpr_eqn
 
 from mixprec._src import _compat
-from mixprec._src.autocast import jaxprs
+from mixprec._src.autocast import folding, jaxprs
 
 
 __all__ = [
@@ -316,8 +316,7 @@ def _scalar_value(jaxpr: Jaxpr, v: Any) -> Any:
     args = [_scalar_value(jaxpr, u) for u in eqn.invars]
     if any(a is None for a in args):
         return None
-    with jax.ensure_compile_time_eval():
-        return np.asarray(jaxprs.bind_as_written(eqn, args)[0])
+    return np.asarray(folding.evaluate(eqn, args)[0])
 
 
 def _is_fill(v: Any, given: dict[Any, Any]) -> bool:
@@ -1206,8 +1205,7 @@ def _concrete(jaxpr: Jaxpr, given: dict[Any, Any], v: Any, memo: dict) -> Any:
         if any(a is None for a in args):
             memo[v] = None
             return None
-        with jax.ensure_compile_time_eval():
-            res = jaxprs.bind_as_written(eqn, args)
+        res = folding.evaluate(eqn, args)
         for o, r in zip(eqn.outvars, res, strict=True):
             memo[o] = np.asarray(r)
         return memo[v]
@@ -1244,8 +1242,7 @@ def _with_causal(jaxpr: Jaxpr, given: dict[Any, Any], m: Match) -> Match:
             if val is None:
                 return m
             args.append(val)
-        with jax.ensure_compile_time_eval():
-            res = np.asarray(jaxprs.bind_as_written(s.eqn, args)[0]) == 0
+        res = np.asarray(folding.evaluate(s.eqn, args)[0]) == 0
         one = np.asarray(canonical_layout(res, step_out_labels(s), m.batch, m.query))
         keep = one if keep is None else keep & one
     assert keep is not None
