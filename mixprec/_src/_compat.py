@@ -639,6 +639,31 @@ def name_stack_transformed_by(name_stack: Any, transform: str) -> bool:
     )
 
 
+#: The scope JAX's transposition of a ``jax.checkpoint`` recomputes the
+#: checkpointed forward in (inside the transposed body, before its backward).
+_REMATERIALIZED = "rematted_computation"
+
+
+def eqn_rematerialized(source_info: Any) -> bool:
+    """Whether an eqn is part of the forward that the transposition of a
+    ``jax.checkpoint`` recomputes in its body (the rest of that body is the
+    backward pass, its name stack without the ``transpose`` it is under)."""
+    if source_info is None:
+        return False
+    stack = getattr(source_info.name_stack, "stack", None)
+    scope_type = getattr(_siu_internal, "Scope", None)
+    if stack is None or scope_type is None:
+        return _REMATERIALIZED in str(source_info.name_stack).split("/")
+    return scope_type(_REMATERIALIZED) in stack
+
+
+def as_rematerialized(source_info: Any) -> Any:
+    """``source_info`` as that of an equation of a checkpoint's recomputed
+    forward (see :func:`eqn_rematerialized`)."""
+    stack = _siu_internal.NameStack((_siu_internal.Scope(_REMATERIALIZED),))
+    return source_info.replace(name_stack=stack + source_info.name_stack)
+
+
 # -- equation parameters that JAX versions spell differently -------------------------
 
 
@@ -670,6 +695,34 @@ def scan_params(params: dict[str, Any], *, extra_consts: int) -> dict[str, Any]:
         ft = importlib.import_module("jax._src.flattree")
         consts, carry, xs = out["ft_in"].unpack()
         out["ft_in"] = ft.pack((ft.nones(len(consts) + extra_consts), carry, xs))
+    return out
+
+
+def as_transposed(source_info: Any) -> Any:
+    """``source_info`` as that of an equation JAX's transposition emitted
+    (see :func:`eqn_transformed_by`): the equations of a transposed
+    ``scan``'s body, whose name stacks do not say so (the ``scan`` does)."""
+    return source_info.replace(name_stack=source_info.name_stack.transform("transpose"))
+
+
+def scan_params_more(
+    params: dict[str, Any], *, extra_xs: int, extra_ys: int
+) -> dict[str, Any]:
+    """The params of a ``scan`` equation with ``extra_xs`` more scanned
+    operands after its others and ``extra_ys`` more stacked results after its
+    others (the body jaxpr is the caller's to replace)."""
+    out = dict(params)
+    if "num_consts" in out:
+        if extra_xs and "linear" in out:
+            out["linear"] = tuple(out["linear"]) + (False,) * extra_xs
+        return out
+    ft = importlib.import_module("jax._src.flattree")
+    if extra_xs:
+        consts, carry, xs = out["ft_in"].unpack()
+        out["ft_in"] = ft.pack((consts, carry, (xs, ft.nones(extra_xs))))
+    if extra_ys:
+        carry, ys = out["ft_out"].unpack()
+        out["ft_out"] = ft.pack((carry, (ys, ft.nones(extra_ys))))
     return out
 
 

@@ -5,7 +5,11 @@
   types, walk), so a layer called in a Python loop is interpreted once. A body
   that JAX emits for a composite (``jnp.var``, ``jax.nn.log_softmax``) runs
   with the composite's class (float32).
-* ``checkpoint`` is rebuilt with ``jax.checkpoint`` and the same policy.
+* ``checkpoint`` is rebuilt with ``jax.checkpoint`` and the same policy. In
+  the body of a transposed checkpoint (a whole step's recomputed forward and
+  its backward) an attention's ``·v`` is put back where nothing recomputes it
+  (:mod:`~mixprec._src.autocast.fusions.attention.remat`), so that the
+  attention and its backward there are fused.
 * ``custom_jvp``/``custom_vjp`` are rebuilt, not inlined, so the user's
   derivative rules still apply (inlining ``jax.nn.relu``'s primal loses its
   rule). Their tangents and cotangents take the primal's dtype; the JVP rule and
@@ -36,6 +40,7 @@ from mixprec._src import _compat
 from mixprec._src.autocast import interpreter as itp, ops
 from mixprec._src.autocast.avals import float_dtype
 from mixprec._src.autocast.decide import CONST
+from mixprec._src.autocast.fusions.attention import remat as remat_attention
 from mixprec._src.autocast.operands import CastContext
 from mixprec._src.autocast.rules.default import aval_of, cast_all, transform_jaxpr
 from mixprec._src.autocast.walk import Walk
@@ -185,11 +190,18 @@ def _remat_rule(
     sub, _ = call_body(ctx)  # type: ignore[misc]
     known = known_operands(ctx)
     box: dict[str, list[int]] = {}
+    # In a whole step, the body of a transposed checkpoint recomputes its
+    # forward: an attention there whose `·v` is not recomputed gets it back
+    # (one more result, dropped), so that both passes are fused.
+    added = 0
+    if sub.rewrites:
+        jaxpr, added = remat_attention.complete(jaxpr, known)
+    n = len(jaxpr.outvars) - added
 
     def fun(*args: Any) -> list[Any]:
         outs, marks = itp.eval_jaxpr(sub, jaxpr, (), args, ctx.marks, known)
-        box["marks"] = marks
-        return outs
+        box["marks"] = marks[:n]
+        return outs[:n]
 
     outs = list(jax.checkpoint(fun, prevent_cse=prevent_cse, policy=policy)(*invals))
     ctx.out_marks[:] = box.get("marks", ctx.out_marks)
