@@ -55,6 +55,7 @@ from mixprec._src import float8 as f8
 from mixprec._src._compat import is_tracer
 from mixprec._src.autocast import api, interpreter as itp
 from mixprec._src.autocast.config import make_config
+from mixprec._src.autocast.fusions.attention.notes import traced_attention_notes
 from mixprec._src.autocast.mixlist import load_spec
 from mixprec._src.autocast.ops import OpLists
 from mixprec._src.autocast.walk import Walk
@@ -68,7 +69,6 @@ from mixprec._src.numerics.advice import (
     scope_fix,
     suggest_loss_scale,
 )
-from mixprec._src.numerics.explain import traced_attention_notes
 from mixprec._src.numerics.record import (
     AlignmentIssue,
     OpRecord,
