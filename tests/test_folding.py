@@ -80,6 +80,10 @@ CASES = {
         ),
         (np.array([1.0 + 2**-9, 70000.0, -0.3, 1e-3], np.float32),),
     ),
+    "div_by_powers_of_two": (
+        lambda x: (x / 64.0, x / 0.125, x / -2.0, x.astype(jnp.bfloat16) / 4),
+        (np.random.default_rng(0).standard_normal(512).astype(np.float32) * 1e3,),
+    ),
     "nan_inf": (
         lambda x: (x * np.inf, x - np.inf, x > np.nan),
         (np.array([1.0, 0.0, -1.0], np.float32),),
@@ -97,7 +101,15 @@ def test_evaluate_matches_xla_bit_for_bit(name: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["tril_mask", "tril_float", "where_fill", "int_wraps", "moves"]
+    "name",
+    [
+        "tril_mask",
+        "tril_float",
+        "where_fill",
+        "int_wraps",
+        "moves",
+        "div_by_powers_of_two",
+    ],
 )
 def test_exact_equations_are_computed_without_xla(name: str) -> None:
     fn, args = CASES[name]
@@ -108,11 +120,18 @@ def test_exact_equations_are_computed_without_xla(name: str) -> None:
 def test_inexact_equations_are_bound_as_before() -> None:
     """``exp``, integer division, a float to int conversion and subnormal
     operands go to XLA (its ``exp`` is not NumPy's; it may flush
-    subnormals)."""
+    subnormals), and so does a division by other than a power of two (a
+    CPU's XLA divides within one ulp, not correctly rounded)."""
     x = np.array([1.0, 2.5, 1e-40], np.float32)
     i = np.array([-7, 7], np.int32)
     rows = _run(
-        lambda x, i: (jnp.exp(x[:2]), jax.lax.div(i, 2), x.astype(jnp.int32), x * 2),
+        lambda x, i: (
+            jnp.exp(x[:2]),
+            jax.lax.div(i, 2),
+            x.astype(jnp.int32),
+            x * 2,
+            x[:2] / 7.0,
+        ),
         x,
         i,
     )

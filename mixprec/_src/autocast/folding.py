@@ -9,8 +9,9 @@ are nearly all integer, boolean or structural (``iota``, ``broadcast_in_dim``,
 ``select_n``, comparisons, a ``jit`` of those): NumPy computes them to the
 same bits without compiling. :func:`evaluate` does so where the result is the
 same bits as XLA's by construction (integer and boolean arithmetic,
-comparisons, moves of values, float add, subtract and multiply, which IEEE
-rounds correctly, on normal numbers) and binds the equation as before otherwise.
+comparisons, moves of values; on normal numbers float add, subtract and
+multiply, which IEEE rounds correctly, and division by a power of two) and
+binds the equation as before otherwise.
 
 Examples:
     >>> import jax, jax.numpy as jnp, numpy as np
@@ -136,9 +137,7 @@ def _no_complex(*args: np.ndarray) -> None:
 def _arith(op: Callable[..., Any]) -> Callable[..., Any]:
     """Integer arithmetic wraps in both; float add, sub and mul round
     correctly in both (NumPy computes 16-bit floats in float32 and rounds,
-    which is exact for these three). (Not division: XLA's float division on
-    a CPU is not correctly rounded; its integer division rounds toward zero,
-    NumPy's down.)"""
+    which is exact for these three; division: :func:`_div`)."""
 
     def rule(params: dict[str, Any], out: np.dtype, *args: np.ndarray) -> Any:
         _no_complex(*args)
@@ -161,6 +160,18 @@ def _compare(op: Callable[..., Any]) -> Callable[..., Any]:
         return op(*args)
 
     return rule
+
+
+def _div(params: dict[str, Any], out: np.dtype, x: np.ndarray, y: np.ndarray) -> Any:
+    """Float division by powers of two only: exact (a normal result), where
+    XLA's division on a CPU is otherwise not correctly rounded; its integer
+    division rounds toward zero, NumPy's down."""
+    if not _is_float(x.dtype) or x.dtype.kind == "c":
+        raise _NotExact
+    mantissa, _ = np.frexp(y.astype(np.float64))
+    if not np.all(np.abs(mantissa) == 0.5):
+        raise _NotExact
+    return np.divide(x, y).astype(out, copy=False)
 
 
 def _iota(params: dict[str, Any], out: np.dtype) -> Any:
@@ -235,6 +246,7 @@ _RULES: dict[str, Callable[..., Any]] = {
     "add": _arith(np.add),
     "sub": _arith(np.subtract),
     "mul": _arith(np.multiply),
+    "div": _div,
     "neg": _arith(np.negative),
     "max": _int_only(np.maximum),
     "min": _int_only(np.minimum),
