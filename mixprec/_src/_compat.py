@@ -698,6 +698,19 @@ def scan_params(params: dict[str, Any], *, extra_consts: int) -> dict[str, Any]:
     return out
 
 
+def jaxpr_replace(jaxpr: Jaxpr, **changes: Any) -> Jaxpr:
+    """``jaxpr`` with ``changes`` (its variables, equations), its debug info
+    kept where it still fits and told the argument and result names are
+    unknown where the counts changed."""
+    dbg = jaxpr.debug_info
+    if dbg is not None and (
+        len(changes.get("invars", jaxpr.invars)) != len(jaxpr.invars)
+        or len(changes.get("outvars", jaxpr.outvars)) != len(jaxpr.outvars)
+    ):
+        dbg = dbg.with_unknown_names()
+    return jaxpr.replace(debug_info=dbg, **changes)
+
+
 def as_transposed(source_info: Any) -> Any:
     """``source_info`` as that of an equation JAX's transposition emitted
     (see :func:`eqn_transformed_by`): the equations of a transposed

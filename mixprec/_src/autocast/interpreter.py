@@ -284,6 +284,9 @@ def eval_jaxpr(
         consts = jaxpr.consts
         jaxpr = jaxpr.jaxpr
     facts = Facts()
+    # A fused op's record reaches its backward pass in another body (the
+    # transposed body of a scan pair); its keys are the ops' own matches.
+    facts.fused = walk.facts.fused
     plan = walk.config.plan
     named = None
     if plan is not None or walk.observer is not None:

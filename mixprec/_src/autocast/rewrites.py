@@ -30,13 +30,17 @@ from typing import Any
 
 from jax.extend.core import Jaxpr
 
-from mixprec._src.autocast.fusions.attention import pattern as attention
+from mixprec._src.autocast.fusions.attention import (
+    pattern as attention,
+    scan_pair as attention_scan_pair,
+)
 
 
 __all__ = ["PASSES", "rewrite"]
 
 #: The passes, in the order they run: ``pass(jaxpr, consts, known) -> jaxpr``.
 PASSES: tuple[Callable[[Jaxpr, Sequence[Any], Sequence[Any]], Jaxpr], ...] = (
+    attention_scan_pair.rewrite,
     attention.rewrite,
 )
 

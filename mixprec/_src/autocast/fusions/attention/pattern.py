@@ -134,6 +134,11 @@ class Match:
         eqns: the region's equations in order (set by :func:`rewrite`).
         outvars: what the fused equation computes: the result, then the
             values the backward pass reads (set by :func:`rewrite`).
+        residuals: where its backward pass is in the transposed body of a
+            ``scan`` (:mod:`.scan_pair`), the shapes of the fused kernel's
+            residuals, which the forward equation computes after
+            ``outvars`` and the backward one reads after its ``reads``;
+            ``None`` where both are in one jaxpr.
     """
 
     first: int
@@ -154,6 +159,7 @@ class Match:
     backward: Backward | None = None
     eqns: tuple[JaxprEqn, ...] = ()
     outvars: tuple[Any, ...] = ()
+    residuals: tuple[Any, ...] | None = None
 
     def __repr__(self) -> str:
         return f"Match({self.pattern!r})"
@@ -219,7 +225,7 @@ class _Users(dict):
     eqns: Sequence[JaxprEqn] = ()
     # Values of constants known before the walk, read as a mask's fill where
     # JAX's derivative of a loop hoisted the broadcast fill out of its body
-    # (set by :func:`unpaired` only).
+    # (set for a differentiated program's forward).
     given: dict[Any, Any] = {}
 
 
@@ -812,6 +818,7 @@ def find(
     # A differentiated program: its forward attentions with their backward.
     dead = jaxprs.dead_eqns(jaxpr)
     fwd_users = _users(jaxpr, ignore=backward | dead)
+    fwd_users.given = given
     for i in dots:
         if i in taken or i in backward:
             continue
@@ -1116,11 +1123,14 @@ def _prove(
             if j in region and o not in saved:
                 saved.append(o)
     reads: list[Any] = [ct]
+    # (A constant it reads is computed from literals only: the zeros JAX's
+    # transposed `where` is given.)
+    const = jaxprs.constant_vars(jaxpr)
     for i in sorted(region):
         for u in jaxpr.eqns[i].invars:
             if isinstance(u, Literal) or u in produced or u in reads:
                 continue
-            if u not in fwd_out and u not in m.inputs:
+            if u not in fwd_out and u not in m.inputs and u not in const:
                 return None
             reads.append(u)
     # It runs where its first gradient is read, once its cotangent exists.

@@ -52,7 +52,7 @@ from mixprec._src.autocast.operands import CastContext, saturate_mask
 from mixprec._src.autocast.platforms import per_platform
 
 
-__all__ = ["fused"]
+__all__ = ["fused", "residual_shapes"]
 
 # What the cuda formulation asks `jax.nn.dot_product_attention` for (tests
 # run the fused formulation on a CPU with "xla").
@@ -133,6 +133,10 @@ def _attention_rule(ctx: CastContext, *invals: Any, **params: Any) -> list[Any]:
         outs, marks = itp.run_inline(
             ctx.walk, eqns, ctx.eqn.invars, invals, ctx.marks, outvars
         )
+        if part == "forward" and m.residuals is not None:
+            # (The fused kernel's residual slots of a scan pair: never read.)
+            outs = [*outs, *_zeros(m.residuals)]
+            marks = [*marks, *[0] * len(m.residuals)]
         ctx.out_marks[:] = marks
         return outs
     if part == "forward":
@@ -153,12 +157,46 @@ def _shapes(fn: Any, values: Sequence[Any]) -> Any:
         return None
 
 
+def _zeros(shapes: Any) -> list[Any]:
+    return [jnp.zeros(x.shape, x.dtype) for x in shapes]
+
+
 def _formulation_walk(ctx: CastContext) -> itp.Walk:
     """The walk of a formulation's equations: no observer (the fused op is
     reported once), facts of its own (what a platform branch learns stays in
     it) that know the constants the walk knows (each equation decided as it
     is in place: the same bits as without the rewrite)."""
     return ctx.walk.probe().over(ctx.walk.facts.of_constants())
+
+
+def _with_vjp(
+    m: Match, vals: Sequence[Any], low: Any, out_shape: Sequence[int]
+) -> tuple[Any, Any]:
+    """The fused attention of ``m`` on ``vals`` and its ``vjp`` in the
+    queries, keys and values."""
+    slots = [spec[0] for spec in (m.q, m.k, m.v)]
+
+    def of(qkv: Any) -> Any:
+        full = list(vals)
+        for pos, x in zip(slots, qkv, strict=True):
+            full[pos] = x
+        return fused(m, full, low, out_shape)
+
+    # (Its operands are cast here; what JAX's implementation mixes inside is
+    # not the user's code.)
+    with jax.numpy_dtype_promotion("standard"):
+        return jax.vjp(of, tuple(itp.cast(vals[pos], low) for pos in slots))
+
+
+def residual_shapes(m: Match, low: Any) -> list[Any] | None:
+    """The shapes of the fused kernel's residuals (what its derivative reads)
+    for ``m`` in ``low``, or ``None`` where the fused call is refused when
+    traced (see :func:`_shapes`)."""
+    out_shape = aval_shape(m.eqn.outvars[0])
+    avals = [jax.ShapeDtypeStruct(aval_shape(v), v.aval.dtype) for v in m.inputs]
+    return _shapes(
+        lambda *vals: jax.tree.leaves(_with_vjp(m, vals, low, out_shape)[1]), avals
+    )
 
 
 def _forward(ctx: CastContext, m: Match, values: list[Any]) -> list[Any]:
@@ -193,19 +231,9 @@ def _forward(ctx: CastContext, m: Match, values: list[Any]) -> list[Any]:
     # derivative, the other the values its backward equations read; each
     # returns zeros in place of the other's (never read: a lowering keeps one
     # platform's formulation of both passes).
-    slots = [spec[0] for spec in (m.q, m.k, m.v)]
 
     def with_vjp(*vals: Any) -> tuple[Any, Any]:
-        def of(qkv: Any) -> Any:
-            full = list(vals)
-            for pos, x in zip(slots, qkv, strict=True):
-                full[pos] = x
-            return fused(m, full, low, out_shape)
-
-        # (Its operands are cast here; what JAX's implementation mixes inside
-        # is not the user's code.)
-        with jax.numpy_dtype_promotion("standard"):
-            return jax.vjp(of, tuple(itp.cast(vals[pos], low) for pos in slots))
+        return _with_vjp(m, vals, low, out_shape)
 
     found: dict[str, Any] = {}
 
@@ -218,16 +246,20 @@ def _forward(ctx: CastContext, m: Match, values: list[Any]) -> list[Any]:
         return kept
 
     res_shapes = _shapes(residuals_of, values)
+    # Across a scan pair the residuals are results of this equation, in the
+    # slots its rewrite made for them (:mod:`.scan_pair`).
+    res_slots = m.residuals
+    if res_shapes is not None and res_slots is not None:
+        if [x.shape for x in res_shapes] != [x.shape for x in res_slots]:
+            res_shapes = None
     if res_shapes is None:  # every platform runs the equations
         kept, kept_marks = unfused_values(*values)
         ctx.walk.facts.fused[m] = (None, [], low)
-        ctx.out_marks[:] = [0, *kept_marks[1:]]
-        return [itp.cast(kept[0], low), *kept[1:]]
+        ctx.out_marks[:] = [0, *kept_marks[1:], *[0] * len(res_slots or ())]
+        return [itp.cast(kept[0], low), *kept[1:], *_zeros(res_slots or ())]
     kept_shapes = jax.eval_shape(kept_of, *values)
     res_tree, kept_marks = found.get("tree"), found["marks"]
-
-    def zeros(shapes: Any) -> list[Any]:
-        return [jnp.zeros(x.shape, x.dtype) for x in shapes]
+    zeros = _zeros
 
     def unfused_fwd(*vals: Any) -> Any:
         kept = unfused_values(*vals)[0]
@@ -241,6 +273,10 @@ def _forward(ctx: CastContext, m: Match, values: list[Any]) -> list[Any]:
         tuple(values), platform=platform, default=unfused_fwd, cuda=cudnn_fwd
     )
     n = len(m.outvars)
+    if res_slots is not None:
+        ctx.walk.facts.fused[m] = (res_tree, [], low)
+        ctx.out_marks[:] = [0, *kept_marks[1:], *[0] * len(res_slots)]
+        return list(outs)
     ctx.walk.facts.fused[m] = (res_tree, list(outs[n:]), low)
     ctx.out_marks[:] = [0, *kept_marks[1:]]
     return list(outs[:n])
@@ -252,9 +288,11 @@ def _backward(ctx: CastContext, m: Match, reads: list[Any]) -> list[Any]:
     bwd = m.backward
     assert bwd is not None
     res_tree, residuals, _ = ctx.walk.facts.fused[m]
+    if m.residuals is not None:  # a scan pair's: its last operands
+        reads, residuals = reads[: len(bwd.reads)], reads[len(bwd.reads) :]
     low = np.dtype(ctx.decision.dtype)
     plain = _formulation_walk(ctx)
-    read_marks = list(ctx.marks)
+    read_marks = list(ctx.marks)[: len(bwd.reads)]
     found: dict[str, Any] = {}
 
     def unfused(*vals: Any) -> list[Any]:
