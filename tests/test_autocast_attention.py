@@ -404,12 +404,18 @@ def test_whole_step_with_one_array_as_queries_and_keys_is_right(monkeypatch):
     assert_trees_close(got, want, dtype=jnp.bfloat16, grad=True)
 
 
-def test_whole_step_under_remat_is_correct_unfused():
-    # `jax.checkpoint` puts the forward and the backward in different
-    # jaxprs: nothing to prove, nothing fused, gradients still right.
+def test_whole_step_under_remat_is_fused_and_correct():
+    # `jax.checkpoint` puts the forward at top level and the recomputed
+    # forward with the backward in the checkpoint's body: each is fused
+    # (tests/test_autocast_attention_remat.py), the gradients those of float32.
     q, k, v = _qkv()
     loss = _sum_loss(jax.checkpoint(gpt_causal))
     grad = jax.grad(loss, argnums=(0, 1, 2))
+    assert _attention_entries(grad, q, k, v) == [
+        (False, "attention"),
+        (True, "attention"),
+        (True, "attention's gradient"),
+    ]
     got = jax.jit(mixprec.autocast(grad, "mixed_bfloat16"))(q, k, v)
     assert_trees_close(got, grad(q, k, v), dtype=jnp.bfloat16, grad=True)
 
@@ -844,11 +850,12 @@ def test_saturate_mask_keeps_a_mask_finite_with_room_for_a_score(low):
 
 
 @pytest.mark.parametrize("low", ["bfloat16", "float16"])
-def test_whole_step_under_remat_names_its_unfused_backward(low, monkeypatch):
+def test_whole_step_under_remat_fuses_its_recomputed_backward(low, monkeypatch):
     # `jax.checkpoint` around the attention of a whole step: the forward is
     # fused at top level, the backward is recomputed in the checkpoint's body
-    # (another jaxpr) and runs op by op; explain and diagnose say so. Wrapping
-    # the loss alone fuses both passes (the cuda export has both kernels).
+    # (another jaxpr) and fused there with its recomputed forward; no note
+    # says otherwise, and the cuda export has both kernels, as with autocast
+    # around the loss.
     monkeypatch.setattr(
         _compat.cudnn_attention_module(), "check_cudnn_version", lambda: 91000
     )
@@ -857,17 +864,11 @@ def test_whole_step_under_remat_names_its_unfused_backward(low, monkeypatch):
     loss = _sum_loss(jax.checkpoint(gpt_causal))
     grad = jax.grad(loss, argnums=(0, 1, 2))
     report = mixprec.explain(grad, q, k, v, policy=policy)
-    [note] = [n for n in report.notes if "forward fused, backward not" in n]
-    assert "jax.checkpoint" in note and "loss alone" in note
+    assert not any("backward not" in n for n in report.notes), report.notes
     diag = mixprec.diagnose(grad, q, k, v, policy=policy)
-    assert any("forward fused, backward not" in n for n in diag.notes)
-    # Without the checkpoint, or with autocast around the loss: no such note.
-    plain_step = jax.grad(_sum_loss(gpt_causal), argnums=(0, 1, 2))
-    report = mixprec.explain(plain_step, q, k, v, policy=policy)
-    assert not any("backward not" in n for n in report.notes)
+    assert not any("backward not" in n for n in diag.notes), diag.notes
     wrapped = mixprec.autocast(loss, policy)
-    report = mixprec.explain(loss, q, k, v, policy=policy)
-    assert not any("backward not" in n for n in report.notes)
-    text = _cuda_text(jax.grad(wrapped, argnums=(0, 1, 2)), q, k, v)
-    calls = set(re.findall(r"custom_call @([\w$]+)", text))
-    assert {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"} <= calls, calls
+    for step in (mixprec.autocast(grad, policy), jax.grad(wrapped, argnums=(0, 1, 2))):
+        calls = re.findall(r"custom_call @([\w$]+)", _cuda_text(step, q, k, v))
+        assert calls.count("__cudnn$fmhaSoftmax") == 2, calls  # one recomputed
+        assert calls.count("__cudnn$fmhaSoftmaxBackward") == 1, calls

@@ -8,12 +8,17 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from mixprec._src import _compat
 from mixprec._src.autocast import jaxprs
-from mixprec._src.autocast.fusions.attention import pattern as attention
+from mixprec._src.autocast.fusions.attention import (
+    pattern as attention,
+    remat,
+    scan_pair,
+)
 from mixprec._src.numerics.record import short_source
 
 
@@ -57,7 +62,10 @@ def unfused_attention_notes(
     leave that body (the residuals JAX returns from the forward body of a
     differentiated ``lax.scan`` or ``jit`` for a backward pass it puts in
     another body) has no backward pass beside it to prove: neither pass is
-    fused (:func:`~mixprec._src.autocast.fusions.attention.pattern.unpaired`).
+    fused (:func:`~mixprec._src.autocast.fusions.attention.pattern.unpaired`),
+    unless it is in the forward body of a ``scan`` whose transposed body's
+    backward pass :mod:`~mixprec._src.autocast.fusions.attention.scan_pair`
+    proves (both passes are then fused: nothing to say).
 
     Args:
       jaxpr: the traced program (as autocast walks it).
@@ -108,6 +116,9 @@ def unfused_attention_notes(
                 }
             return memo["given"]
 
+        if sum(e.primitive.name == "scan" for e in jaxpr.eqns) >= 2:
+            # The scan pairs autocast fuses across their two bodies.
+            jaxpr = scan_pair.rewrite(jaxpr, consts, known())
         derived = derived or bool(jaxprs.backward_eqns(jaxpr))
         dots = sum(e.primitive.name == "dot_general" for e in jaxpr.eqns)
         if where and derived and dots >= 2:
@@ -152,47 +163,99 @@ def unfused_attention_notes(
     return notes
 
 
-#: The primitives of ``jax.checkpoint`` (``jax.remat``) across JAX releases.
-_REMAT_PRIMITIVES = frozenset({"remat2", "checkpoint", "remat_opt"})
+def _policy_saves(policy: Any) -> str | None:
+    """The name of a ``jax.checkpoint`` policy that saves values (``None``
+    for one that saves none, JAX's default)."""
+    if policy is None or policy is jax.checkpoint_policies.nothing_saveable:
+        return None
+    return getattr(policy, "__name__", None) or repr(policy)
 
 
 def _recomputed_backward_notes(
     jaxpr: Jaxpr, consts: Sequence[Any], known: Sequence[Any], where: str
 ) -> list[str]:
-    """Notes for the attentions of a differentiated ``jaxpr`` fused forward
-    only, because their backward pass is recomputed inside a
-    ``jax.checkpoint`` body of ``jaxpr``'s backward pass: the forward is
-    proven and fused here, the backward (the recomputed weights and their
-    derivative, with no ``·v`` of their own) is in another jaxpr."""
+    """Notes for the attentions of a differentiated ``jaxpr`` whose backward
+    pass is recomputed inside a ``jax.checkpoint`` body of ``jaxpr``'s
+    backward pass and not fused there.
+
+    Such a body recomputes the checkpointed forward and runs its backward
+    (:mod:`~mixprec._src.autocast.fusions.attention.remat`): an attention
+    fused forward here is fused there too where its backward is proven
+    against the recomputed forward. Two cases stay unfused and are named:
+    the backward is not proven (the forward is fused here, the backward runs
+    op by op), and the checkpoint's policy saves a value of the attention
+    (``dots_saveable`` saves its scores), which splits its forward between
+    ``jaxpr`` and the body (neither pass is fused)."""
     remats = [
         eqn
         for eqn in jaxpr.eqns
-        if eqn.primitive.name in _REMAT_PRIMITIVES
+        if eqn.primitive.name in remat.REMAT_PRIMITIVES
         and _compat.eqn_transformed_by(eqn.source_info, "transpose")
-        and any(
-            sum(e.primitive.name == "dot_general" for e in _open(body).eqns) >= 2
-            for _, body in _bodies(eqn)
-        )
     ]
     if not remats:
         return []
-    remat = short_source(_compat.eqn_source_summary(remats[0].source_info))
+    given = {
+        v: x
+        for v, x in (
+            *zip(jaxpr.constvars, consts, strict=False),
+            *zip(jaxpr.invars, known, strict=False),
+        )
+        if x is not None
+    }
+    at = f" [in {where}]" if where else ""
     notes = []
+    fused: dict[str, int] = {}  # per source, the attentions fused in a body
+    first = None
+    for eqn in remats:
+        place = short_source(_compat.eqn_source_summary(eqn.source_info))
+        for _, body in _bodies(eqn):
+            inner = _open(body)
+            if sum(e.primitive.name == "dot_general" for e in inner.eqns) < 2:
+                continue
+            first = first or place
+            body_known = _known_operands(jaxpr, given, eqn, inner)
+            _, proven, unproven = remat.recomputed_attentions(inner, body_known)
+            for m in proven:
+                key = _compat.eqn_source_summary(m.eqn.source_info)
+                fused[key] = fused.get(key, 0) + 1
+            saves = _policy_saves(eqn.params.get("policy"))
+            for product in unproven if saves else ():
+                source = short_source(_compat.eqn_source_summary(product.source_info))
+                notes.append(
+                    f"dot_product_attention (its weights recomputed) at "
+                    f"{source or '<unknown>'}{at}: not fused, forward or backward. "
+                    f"The policy of its jax.checkpoint ({place or '<unknown>'}) "
+                    f"saves values of the attention ({saves}: dots_saveable saves "
+                    "its scores), so its forward is split between the step and the "
+                    "checkpoint's body of the backward pass, and autocast cannot "
+                    "prove it: its ops run one by one (on a GPU: no cuDNN kernel, "
+                    "and the attention weights are materialised). To fuse both "
+                    "passes, checkpoint with a policy that saves none of its values "
+                    "(jax.checkpoint_policies.nothing_saveable, or a policy that "
+                    "saves named values outside it), or apply autocast to the loss "
+                    "alone and differentiate that."
+                )
+    if first is None:
+        return notes
     for m in attention.find(jaxpr, consts, known).values():
         if m.backward is not None:
             continue
-        source = short_source(_compat.eqn_source_summary(m.eqn.source_info))
-        at = f" [in {where}]" if where else ""
+        key = _compat.eqn_source_summary(m.eqn.source_info)
+        if fused.get(key, 0) > 0:
+            fused[key] -= 1
+            continue
+        source = short_source(key)
         notes.append(
             f"dot_product_attention ({m.pattern}) at {source or '<unknown>'}{at}: "
             "forward fused, backward not. Its backward pass is recomputed inside "
-            f"a jax.checkpoint body ({remat or '<unknown>'}) of the backward pass, "
-            "another jaxpr, where autocast cannot prove it against the fused "
-            "forward: it runs op by op (on a GPU: no cuDNN backward kernel, and the "
-            "attention weights are recomputed and materialised). To fuse both "
-            "passes, apply autocast to the loss alone (inside or outside the "
-            "checkpoint) and differentiate that: JAX then differentiates the "
-            "fused kernel."
+            f"a jax.checkpoint body ({first or '<unknown>'}) of the backward pass, "
+            "where autocast could not prove it against the recomputed forward "
+            "(as for jax.nn.dot_product_attention's XLA formulation, whose "
+            "products have a unit group axis): it runs op by op (on a GPU: no "
+            "cuDNN backward kernel, and the attention weights are recomputed and "
+            "materialised). To fuse both passes, write the attention out, or "
+            "apply autocast to the loss alone (inside or outside the checkpoint) "
+            "and differentiate that: JAX then differentiates the fused kernel."
         )
     return notes
 

@@ -60,6 +60,7 @@ from jax.extend.core import Jaxpr, JaxprEqn, Literal, Primitive, new_jaxpr_eqn
 
 from mixprec._src import _compat
 from mixprec._src.autocast import folding, jaxprs
+from mixprec._src.autocast.fusions.attention import remat
 
 
 __all__ = [
@@ -812,7 +813,7 @@ def find(
         m = _with_causal(jaxpr, given, m)
         taken |= m.region
         out[m.anchor] = m
-    backward = jaxprs.backward_eqns(jaxpr)
+    backward = remat.backward_eqns(jaxpr)
     if not backward:
         return out
     # A differentiated program: its forward attentions with their backward.
@@ -1149,7 +1150,7 @@ def _prove(
     ct_at = at_eqn.get(ct, -1)
     if not (m.anchor < at and ct_at < at) or ct_at in region or ct_at in m.region:
         return None
-    transposed = region & jaxprs.backward_eqns(jaxpr)
+    transposed = region & remat.backward_eqns(jaxpr)
     if not transposed:
         return None
     ops = [m.inputs[m.q[0]], m.inputs[m.k[0]], m.inputs[m.v[0]]]
