@@ -880,28 +880,21 @@ def user_rank_promotion():
         ("flax_nn_scan_gpt", "mixed_bfloat16"),
     ],
 )
-def test_scan_over_layers_whole_step_names_its_unfused_attention(name, policy):
+def test_scan_over_layers_whole_step_fuses_its_attention(name, policy):
     # A whole step over lax.scan-stacked layers: JAX puts the attention's
-    # forward in one scan body and its backward in another, so neither is
-    # fused. The report says which attention, why, and what to do.
-    from corpus.scan_layers import causal_attention
-
+    # forward in one scan body and its backward in another; autocast proves
+    # the backward across the two bodies and fuses both, so there is nothing
+    # to say. (Where it cannot, the note names it: the tests of
+    # test_autocast_attention_scan.py.)
     inst = _scan_program(name)
     args = (inst.train_state, *inst.args)
     report = mixprec.diagnose(inst.step, *args, policy=policy, refine=False)
-    line = line_of(causal_attention, 'einsum("bthd,bshd->bhts"')
-    [note] = _attention_notes(report)
-    assert note.startswith(
-        "dot_product_attention (scaled q·kᵀ, causal mask, softmax, ·v) at "
-        f"scan_layers.py:{line} (causal_attention) [in "
-    ), note
-    assert "scan at" in note and "not fused, forward or backward" in note
-    assert "mixprec.autocast(loss, policy)" in note
-    assert note in report.advice()
-    # explain says the same, and it is true: no fused attention in the step.
+    assert _attention_notes(report) == []
     explained = mixprec.explain(inst.step, *args, policy=policy)
-    assert _attention_notes(explained) == [note]
-    assert not explained.find("dot_product_attention")
+    assert _attention_notes(explained) == []
+    assert [
+        (op.path, op.backward) for op in explained.find("dot_product_attention")
+    ] == [("scan/body", False), ("scan/body", True)]
 
 
 @pytest.mark.standard_promotion  # optax's cross-entropy mixes int and float
