@@ -20,7 +20,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 TABLE_PATH = ROOT / "docs" / "op_table.md"
 sys.path.insert(0, str(ROOT))
 
-from mixprec._src.autocast import ops  # noqa: E402
+from mixprec._src.autocast import fusions, ops  # noqa: E402
 from mixprec._src.autocast.modes import MODE_DOCS  # noqa: E402
 
 
@@ -58,9 +58,10 @@ _FLAGS = {
     "when a score is added); values in range are kept",
     ops.CROSS_DEVICE_SUM: "cross-device sum: a sum across devices; runs in the "
     "policy's `reduce_dtype`",
-    ops.FUSION: "fusion: the op a rewrite pass put in place of several (a written-out "
-    "attention); fused where every op it replaces, each decided in its own scope, "
-    "would run in the same 16-bit dtype, else run as those ops",
+    ops.FUSION: "fusion: the op a rewrite pass put in place of several (a "
+    "registered fusion: {fusions}); fused where every op that decides it, each "
+    "decided in its own scope, would run in the same 16-bit dtype, else run as "
+    "those ops",
 }
 
 
@@ -105,6 +106,10 @@ def render_op_table() -> str:
         )
     lines += ["", "## Flags", "", "| flag | meaning | ops |", "|---|---|---|"]
     for flag, meaning in _FLAGS.items():
+        if flag == ops.FUSION:
+            meaning = meaning.format(
+                fusions=", ".join(f"`{f.name}`" for f in fusions.registered())
+            )
         members = [n for n, _, _, flags in rows if flag in flags]
         lines.append(f"| `{flag}` | {_cell(meaning)} | {_names(members)} |")
     lines += [

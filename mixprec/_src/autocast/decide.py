@@ -108,7 +108,7 @@ from jax import lax
 from jax.extend.core import JaxprEqn, Literal
 
 from mixprec._src import _compat, float8 as f8
-from mixprec._src.autocast import ops
+from mixprec._src.autocast import fusions, ops
 from mixprec._src.autocast.avals import aval_shape, float_dtype, same_shape, size
 from mixprec._src.autocast.ops import (
     CROSS_DEVICE_SUM,
@@ -1197,69 +1197,82 @@ def decide_fusion(
     region: Region, eqn: JaxprEqn, spec: ops.OpSpec, invals: Sequence[Any]
 ) -> Decision:
     """Whether the op of a fusion (:data:`~mixprec._src.autocast.ops.FUSION`:
-    a recognised attention, one equation in place of several) runs fused,
-    and in which dtype; :data:`HIGHER_ORDER` where it does not: its ops then
-    run in its place, each decided on its own.
+    one equation in place of several, declared by a
+    :class:`~mixprec._src.autocast.fusions.Fusion`) runs fused, and in which
+    dtype; :data:`HIGHER_ORDER` where it does not: its ops then run in its
+    place, each decided on its own.
 
-    A fusion's decision is the decisions of the equations it replaces, each
-    made where that equation is (its own ``float32_scope``,
-    ``precision_scope`` or nested autocast; the fused equation itself sits in
-    the scopes all of them share): it is fused where each of its products
-    (its matmuls) would run in the low dtype, the same 16-bit dtype for all
-    of them (so not where one is under ``float32_scope``, ``force_fp32``, a
-    policy of another low dtype, a product asking for ``HIGHEST`` precision
-    or a mix list that keeps ``dot_general`` out of the allow list), the mode
-    is a mixed one (``allow_mix_precision``), the policy has no float8 recipe
-    (whose products have their own formulation), its floating operands are
-    float32 or that dtype, and its own entry is in the allow list. It is then
-    fused in that dtype. Its softmax runs in float32 inside the kernel. The
-    backward pass of a fused attention is fused where its forward pass was,
-    in the same dtype.
+    A fusion's decision is the decisions of the equations it replaces that
+    its entry says decide it (``Fusion.decided_by``: the attention's matmuls,
+    every equation of a norm), each made where that equation is (its own
+    ``float32_scope``, ``precision_scope`` or nested autocast; the fused
+    equation itself sits in the scopes all of them share): it is fused where
+    each of them would run in the low dtype, the same 16-bit dtype for all of
+    them: a product (a matmul) as it is decided on its own (so not under
+    ``float32_scope``, ``force_fp32``, a policy of another low dtype, a
+    product asking for ``HIGHEST`` precision or a mix list that keeps
+    ``dot_general`` out of the allow list), another equation by its scope
+    (not under ``float32_scope``, nor a policy or mode that computes in
+    float32). The mode must be a mixed one (``allow_mix_precision``), the
+    policy without a float8 recipe (whose products have their own
+    formulation), its floating operands float32 or that dtype, and its own
+    entry in the allow list. It is then fused in that dtype. The backward
+    pass of a fused op is fused where its forward pass was, in the same
+    dtype.
     """
+    entry = fusions.entry_for(spec.name)
+    assert entry is not None, spec.name
     cfg = region.config
     fusion = eqn.params["fusion"]
     if eqn.params["part"] == "backward":
         forward = region.facts.fused.get(fusion)
         if forward is None:
             return HIGHER_ORDER
-        return _fused(fusion, forward[2], "attention's gradient")
+        return _fused(entry.fused_reason(fusion, forward[2], "backward"), forward[2])
     if (
         region.composite
-        or cfg.mode not in ("allow_mix_precision", "allow_mix_precision_bf16")
+        or cfg.mode not in _MIXED_MODES
         or cfg.policy.float8 is not None
         or cfg.lists.classify(spec.name) != "allow"
     ):
         return HIGHER_ORDER
     lows = set()
     for inner in fusion.eqns:
-        inner_spec = ops.spec_for(inner.primitive.name)
-        if inner_spec is None or inner_spec.product is None:
+        if not entry.decided_by(inner):
             continue
-        avals = [v.aval for v in inner.invars]
-        d = decide_eqn(
-            region.for_eqn(inner), inner, inner_spec, avals, [0] * len(avals)
-        )
-        if d.precision is not Precision.LOW or d.dtype not in _HALF:
+        inner_region = region.for_eqn(inner)
+        inner_spec = ops.spec_for(inner.primitive.name)
+        if inner_spec is not None and inner_spec.product is not None:
+            avals = [v.aval for v in inner.invars]
+            d = decide_eqn(inner_region, inner, inner_spec, avals, [0] * len(avals))
+            if d.precision is not Precision.LOW or d.dtype not in _HALF:
+                return HIGHER_ORDER
+            lows.add(np.dtype(d.dtype))
+            continue
+        inner_cfg = inner_region.config
+        low = np.dtype(inner_cfg.low_dtype)
+        if (
+            inner_region.float32
+            or inner_region.composite
+            or inner_cfg.mode not in _MIXED_MODES
+            or low not in _HALF
+        ):
             return HIGHER_ORDER
-        lows.add(np.dtype(d.dtype))
+        lows.add(low)
     if len(lows) != 1:
         return HIGHER_ORDER
     (low,) = lows
     if any(d is not None and d not in (_F32, low) for d in map(float_dtype, invals)):
         return HIGHER_ORDER
-    return _fused(fusion, low, "attention")
+    return _fused(entry.fused_reason(fusion, low, "forward"), low)
 
 
-def _fused(fusion: Any, low: np.dtype, what: str) -> Decision:
-    """The decision of a fused attention's forward or backward pass."""
-    return Decision(
-        Precision.LOW,
-        low,
-        "allow",
-        f"{what} ({fusion.pattern}): one fused kernel in {low} where the "
-        "platform has one (cuDNN on a GPU), softmax statistics in float32 inside "
-        "it; elsewhere its ops run one by one",
-    )
+_MIXED_MODES: Final = frozenset({"allow_mix_precision", "allow_mix_precision_bf16"})
+
+
+def _fused(reason: str, low: np.dtype) -> Decision:
+    """The decision of a fused op's forward or backward pass."""
+    return Decision(Precision.LOW, low, "allow", reason)
 
 
 def decide_epilogue(

@@ -9,8 +9,10 @@ and ``diagnose`` meet an ordinary op, decided from its entry
 (:func:`~mixprec._src.autocast.decide.decide_fusion`). A pass proves what it
 replaces; a bug in a pass raises, it never silently keeps the equations.
 
-A new fusion (a written-out LayerNorm, RMSNorm or RoPE) is one more pass in
-:data:`PASSES` and one more entry and rule (``ops.def_fusion``).
+The passes are those of the registered fusions
+(:func:`~mixprec._src.autocast.fusions.passes`), in the order of
+:data:`~mixprec._src.autocast.fusions.REGISTERED`: a new fusion is a folder
+under ``fusions/`` and one line there.
 
 Examples:
     >>> import jax, jax.numpy as jnp
@@ -25,28 +27,19 @@ Examples:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from jax.extend.core import Jaxpr
 
-from mixprec._src.autocast.fusions.attention import (
-    pattern as attention,
-    scan_pair as attention_scan_pair,
-)
+from mixprec._src.autocast import fusions
 
 
-__all__ = ["PASSES", "rewrite"]
-
-#: The passes, in the order they run: ``pass(jaxpr, consts, known) -> jaxpr``.
-PASSES: tuple[Callable[[Jaxpr, Sequence[Any], Sequence[Any]], Jaxpr], ...] = (
-    attention_scan_pair.rewrite,
-    attention.rewrite,
-)
+__all__ = ["rewrite"]
 
 
 def rewrite(jaxpr: Jaxpr, consts: Sequence[Any], known: Sequence[Any] = ()) -> Jaxpr:
-    """``jaxpr`` after every pass of :data:`PASSES`."""
-    for rewrite_pass in PASSES:
+    """``jaxpr`` after the passes of every registered fusion, in order."""
+    for rewrite_pass in fusions.passes():
         jaxpr = rewrite_pass(jaxpr, consts, known)
     return jaxpr

@@ -53,9 +53,8 @@ from jax.extend.core import Literal
 
 from mixprec._src import float8 as f8
 from mixprec._src._compat import is_tracer
-from mixprec._src.autocast import api, interpreter as itp
+from mixprec._src.autocast import api, fusions, interpreter as itp
 from mixprec._src.autocast.config import make_config
-from mixprec._src.autocast.fusions.attention.notes import traced_attention_notes
 from mixprec._src.autocast.mixlist import load_spec
 from mixprec._src.autocast.ops import OpLists
 from mixprec._src.autocast.walk import Walk
@@ -1111,7 +1110,7 @@ def diagnose(
     if loss_scale is None:
         # (With a loss scale, diagnose differentiates the loss itself, as
         # `jax.grad(autocast(loss))` would: the note's advice is what it did.)
-        notes.extend(traced_attention_notes(config, ev.source))
+        notes.extend(fusions.traced_notes(config, ev.source))
     fixes: tuple[ScopeFix, ...] = ()
     scope_ok: bool | None = None
     if refine:

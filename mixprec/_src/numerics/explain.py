@@ -23,9 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from mixprec._src.autocast import api
+from mixprec._src.autocast import api, fusions
 from mixprec._src.autocast.config import make_config
-from mixprec._src.autocast.fusions.attention.notes import traced_attention_notes
 from mixprec._src.numerics.record import (
     AlignmentIssue,
     OpRecord,
@@ -395,7 +394,7 @@ def explain(
         low_dtype=str(np.dtype(config.low_dtype)),
         alignment=alignment,
         notes=tuple(
-            dict.fromkeys([*recorder.notes, *traced_attention_notes(config, source)])
+            dict.fromkeys([*recorder.notes, *fusions.traced_notes(config, source)])
         ),
         jaxpr=jaxpr,
         source_jaxpr=source,

@@ -23,8 +23,7 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from mixprec._src import _compat
-from mixprec._src.autocast import ops
-from mixprec._src.autocast.fusions.attention import pattern as attention
+from mixprec._src.autocast import fusions, ops
 
 
 __all__ = [
@@ -167,7 +166,8 @@ def product_dims(eqn: jex_core.JaxprEqn) -> Any:
 def eqn_flops(eqn: jex_core.JaxprEqn) -> int:
     """Floating-point operations of one equation (its sub-jaxprs excluded).
 
-    Matmul-like ops: their ``Product``'s count (``dot_general``:
+    The op of a fusion: its entry's count (``Fusion.flops``: the attention's
+    matmuls). Matmul-like ops: their ``Product``'s count (``dot_general``:
     ``2·batch·M·N·K``; convolutions: ``2·out·C_in/groups·window``); reductions:
     one per input element; ops without arithmetic (clear data movement,
     higher-order primitives, integer ops): zero; every other floating op: one
@@ -181,8 +181,9 @@ def eqn_flops(eqn: jex_core.JaxprEqn) -> int:
         [('dot_general', 128), ('tanh', 16), ('reshape', 0)]
     """
     name = eqn.primitive.name
-    if eqn.primitive is attention.ATTENTION_P:  # a fused attention: its matmuls
-        return int(eqn.params["flops"])
+    fusion = fusions.entry_for(name)
+    if fusion is not None and eqn.primitive is fusion.primitive:
+        return fusion.flops(eqn)
     out_size = sum(_size(_shape(v)) for v in eqn.outvars)
     dims = product_dims(eqn)
     if dims is not None:

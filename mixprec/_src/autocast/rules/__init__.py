@@ -1,8 +1,9 @@
 """The rules of the op table that need code: matmul-like products, control
-flow, calls, fused attention, and the defaults. Importing this package
+flow, calls, and the defaults; and the entries and rules of the registered
+fusions (:mod:`mixprec._src.autocast.fusions`). Importing this package
 attaches every rule to its entry in :mod:`mixprec._src.autocast.ops`."""
 
-from mixprec._src.autocast.fusions.attention import rule as attention
+from mixprec._src.autocast import fusions, ops
 from mixprec._src.autocast.rules import (
     calls,
     control_flow,
@@ -11,4 +12,7 @@ from mixprec._src.autocast.rules import (
 )
 
 
-__all__ = ["attention", "calls", "control_flow", "default", "products"]
+__all__ = ["calls", "control_flow", "default", "products"]
+
+for _fusion in fusions.registered():
+    ops.def_fusion(_fusion.name, _fusion.reason, _fusion.rule)

@@ -39,11 +39,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from mixprec._src import _compat
-from mixprec._src.autocast import interpreter as itp, jaxprs, ops
+from mixprec._src.autocast import interpreter as itp, jaxprs
 from mixprec._src.autocast.avals import aval_shape
 from mixprec._src.autocast.decide import HIGHER_ORDER
 from mixprec._src.autocast.fusions.attention.pattern import (
-    ATTENTION_P,
     Match,
     canonical_layout,
     step_out_labels,
@@ -52,7 +51,7 @@ from mixprec._src.autocast.operands import CastContext, saturate_mask
 from mixprec._src.autocast.platforms import per_platform
 
 
-__all__ = ["fused", "residual_shapes"]
+__all__ = ["attention_rule", "fused", "residual_shapes"]
 
 # What the cuda formulation asks `jax.nn.dot_product_attention` for (tests
 # run the fused formulation on a CPU with "xla").
@@ -119,7 +118,8 @@ def fused(m: Match, values: Sequence[Any], low: Any, out_shape: Sequence[int]) -
     return out.reshape(tuple(out_shape))
 
 
-def _attention_rule(ctx: CastContext, *invals: Any, **params: Any) -> list[Any]:
+def attention_rule(ctx: CastContext, *invals: Any, **params: Any) -> list[Any]:
+    """The rule of :data:`.pattern.ATTENTION_P` (its entry: :mod:`.entry`)."""
     part: str = params["part"]
     m: Match = params["fusion"]
     bwd = m.backward
@@ -322,13 +322,3 @@ def _backward(ctx: CastContext, m: Match, reads: list[Any]) -> list[Any]:
     )
     ctx.out_marks[:] = found["marks"]
     return list(outs)
-
-
-ops.def_fusion(
-    ATTENTION_P.name,
-    "a written-out attention (q·kᵀ, scale, masks and biases, softmax, ·v), "
-    "recognised and proven by a rewrite pass: one fused kernel where its "
-    "matmuls would run in the low dtype (cuDNN's flash attention on a GPU; "
-    "PyTorch's scaled_dot_product_attention under autocast)",
-    _attention_rule,
-)
