@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools as ft
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -339,7 +339,13 @@ def run_own(
     """Runs ``own`` (one input, one output) on ``x``: float32 ops autocast adds
     to the program by itself for the equation ``user``. Each is reported to
     the observer (``explain`` records it, with ``reason``, at ``user``'s
-    line), so that the report lists every op the program runs."""
+    line), so that the report lists every op the program runs. Unobserved,
+    under ``grad`` or ``jvp`` it is one cached inline ``jit``
+    (:func:`~mixprec._src._compat.call_transformed`): differentiated once per
+    operand type, not op by op at every layer's mask."""
+    if walk.observer is None:
+        [out] = _compat.call_transformed(("own", own), _own_fn(own), [x])
+        return out
     env: dict[Any, Any] = {own.jaxpr.invars[0]: x}
     for eqn in own.jaxpr.eqns:
         invals = _compat.match_vma([jaxprs.read(env, v) for v in eqn.invars])
@@ -358,6 +364,20 @@ def run_own(
     return out
 
 
+@ft.lru_cache(maxsize=256)
+def _own_fn(own: ClosedJaxpr) -> Callable[[Any], list[Any]]:
+    """``own`` (one input, one output) bound equation by equation."""
+
+    def run(x: Any) -> list[Any]:
+        env: dict[Any, Any] = {own.jaxpr.invars[0]: x}
+        for eqn in own.jaxpr.eqns:
+            invals = _compat.match_vma([jaxprs.read(env, v) for v in eqn.invars])
+            env.update(zip(eqn.outvars, _bind_own(eqn, invals), strict=True))
+        return [jaxprs.read(env, v) for v in own.jaxpr.outvars]
+
+    return run
+
+
 def _bind_own(eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
     """One equation of an own jaxpr bound on ``invals``.
 
@@ -370,6 +390,12 @@ def _bind_own(eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
     cotangents it then receives.
     """
     closed = eqn.params.get("jaxpr") if eqn.primitive.name in ("jit", "pjit") else None
+    if closed is None and not jaxprs.has_jaxpr_params(eqn.params):
+        # (Under grad or jvp through a cached inline jit, as the walk binds
+        # the program's own: differentiated once per operand types, not once
+        # per mask of every layer.)
+        out = bind(eqn.primitive, invals, eqn.params)
+        return list(out) if eqn.primitive.multiple_results else [out]
     if closed is None or not any(
         _compat.varying_axes(_compat.get_aval(x)) - _compat.varying_axes(aval)
         for x, aval in zip(invals, closed.in_avals, strict=True)
