@@ -31,7 +31,7 @@ import json
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -48,7 +48,17 @@ _SITE_FIELDS = frozenset(
 )
 _RULE_FIELDS = frozenset(["layers", "ops", "policy"])
 _TOP_FIELDS = frozenset(
-    ["format", "base", "platform", "tolerance", "candidates", "sites", "rules", "note"]
+    [
+        "format",
+        "base",
+        "platform",
+        "tolerance",
+        "candidates",
+        "sites",
+        "rules",
+        "combined",
+        "note",
+    ]
 )
 
 
@@ -192,6 +202,12 @@ class Plan:
         platform: the platform whose throughput the costs were computed for.
         tolerance: the tolerance the sites were chosen with.
         candidates: the candidate policies, cheapest first.
+        combined: what :func:`mixprec.plan` measured of the finished plan as
+            a whole (every site at its policy at once), as ``((name, value),
+            ...)``: ``loss_error``, ``grad_error``, ``effect``, ``passed``,
+            ``first_effect`` (before any site was raised) and ``raised``
+            (``[layer, op, index, from, to]`` per site it raised to pass);
+            empty for a plan not measured.
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -216,6 +232,10 @@ class Plan:
     platform: str = ""
     tolerance: float | None = None
     candidates: tuple[str, ...] = ()
+    combined: tuple[tuple[str, Any], ...] = ()
+    #: ``mixprec.plan``'s measuring plans only: runs a site's candidates and
+    #: selects one at run time (see ``numerics/plan.py``).
+    switch: ClassVar[Any] = None
 
     def __init__(
         self,
@@ -225,6 +245,7 @@ class Plan:
         platform: str = "",
         tolerance: float | None = None,
         candidates: Sequence[str] = (),
+        combined: Mapping[str, Any] | Sequence[tuple[str, Any]] = (),
     ) -> None:
         set_ = ft.partial(object.__setattr__, self)
         set_("base", _policy(base, "`base`"))
@@ -233,6 +254,8 @@ class Plan:
         set_("platform", str(platform))
         set_("tolerance", None if tolerance is None else float(tolerance))
         set_("candidates", tuple(str(c) for c in candidates))
+        items = combined.items() if isinstance(combined, Mapping) else combined
+        set_("combined", _frozen(dict(items)))
         keys = [s.key for s in self.sites]
         if len(set(keys)) != len(keys):
             dup = next(k for k in keys if keys.count(k) > 1)
@@ -343,6 +366,8 @@ class Plan:
             d["candidates"] = list(self.candidates)
         d["sites"] = [s.to_dict() for s in self.sites]
         d["rules"] = [r.to_dict() for r in self.rules]
+        if self.combined:
+            d["combined"] = dict(self.combined)
         return d
 
     def to_json(self, *, indent: int | None = 2) -> str:
@@ -446,6 +471,9 @@ class Plan:
         candidates = data.get("candidates", [])
         if not isinstance(candidates, list):
             raise ValueError(f"{where}: field 'candidates' must be a list.")
+        combined = data.get("combined", {})
+        if not isinstance(combined, Mapping):
+            raise ValueError(f"{where}: field 'combined' must be an object.")
         try:
             return cls(
                 base=get_policy(base),
@@ -454,6 +482,7 @@ class Plan:
                 platform=str(data.get("platform", "")),
                 tolerance=None if tolerance is None else float(tolerance),
                 candidates=tuple(str(c) for c in candidates),
+                combined=_frozen(combined),
             )
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
@@ -469,6 +498,15 @@ class Plan:
 
     def __str__(self) -> str:
         return self.table()
+
+
+def _frozen(value: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """A JSON object's items, its lists as tuples (a plan stays hashable)."""
+
+    def freeze(x: Any) -> Any:
+        return tuple(freeze(y) for y in x) if isinstance(x, list | tuple) else x
+
+    return tuple((str(k), freeze(v)) for k, v in value.items())
 
 
 def _known(entry: Mapping[str, Any], fields: frozenset[str], where: str) -> None:

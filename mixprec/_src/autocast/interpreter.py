@@ -348,7 +348,14 @@ def _step(walk: Walk, eqn: JaxprEqn, env: dict[Any, Any], mk: dict[Any, int]) ->
     invals = [jaxprs.read(env, v) for v in eqn.invars]
     inmarks = [literal_mark() if type(v) is Literal else mk[v] for v in eqn.invars]
     walk = walk.for_eqn(eqn)
-    taken = _taken_as_traced(walk, eqn, invals, inmarks)
+    plan = walk.config.plan
+    taken = None
+    if plan is not None and plan.switch is not None:
+        # `mixprec.plan`'s measurement: each site's candidates, one chosen
+        # at run time (`numerics/plan.py`).
+        taken = plan.switch(walk, eqn, invals, inmarks)
+    if taken is None:
+        taken = _taken_as_traced(walk, eqn, invals, inmarks)
     if taken is None:
         with _eqn_context(eqn):
             taken = run_eqn(walk, eqn, invals, inmarks)

@@ -173,6 +173,184 @@ class _Found:
     measured: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
 
+class _Switch:
+    """Runs each measured site under every candidate and selects one at run
+    time, by ``sel[i]`` (an index into ``order``) for the ``i``-th site: one
+    compiled program measures every "this site alone at that candidate"
+    variant. The walk calls it for each equation (``interpreter._step``)
+    under a :class:`_SwitchPlan`; it returns ``None`` for an equation that
+    is not a measured site.
+
+    Each candidate's formulation is the one autocast runs for the site under
+    a plan that gives it that candidate (``Walk.for_eqn``'s site config), so
+    the selected branch computes what the per-site program computes: the
+    same casts, float8 recipe and scaling; its gradient flows through the
+    selection to that branch alone. The rest of the program runs at the
+    plan's base, float32, where no op takes a product's float32 result as
+    its epilogue (that needs a 16-bit add), so the other branches' results
+    are only dropped.
+    """
+
+    def __init__(
+        self, keys: Sequence[tuple[str, str, int]], order: Sequence[Policy], base: int
+    ) -> None:
+        self.index = {k: i for i, k in enumerate(keys)}
+        self.by_layer: dict[tuple[str, str], list[int]] = {}
+        for k, i in self.index.items():
+            self.by_layer.setdefault((k[0], k[1]), []).append(i)
+        self.order = tuple(order)
+        self.base = base
+        self.sel: Any = None  # the int32 selector, while a program is traced
+
+    def _indices(self, walk: Any, eqn: Any) -> list[int]:
+        from mixprec._src.autocast import ops
+
+        eqns: Sequence[Any] = (eqn,)
+        spec = ops.spec_for(eqn.primitive.name)
+        if spec is None:
+            return []
+        if ops.FUSION in spec.flags:
+            fusion = eqn.params.get("fusion")
+            if eqn.params.get("part") == "backward":
+                fusion = getattr(fusion, "backward", None)
+            eqns = tuple(getattr(fusion, "eqns", ()))
+        elif spec.product is None:
+            return []
+        found: list[int] = []
+        for e in eqns:
+            for k in walk.sites.get(id(e), ()):
+                hit = (
+                    [self.index[k]]
+                    if k in self.index
+                    else self.by_layer.get((k[0], k[1]), [])
+                    if k[2] is None
+                    else []
+                )
+                found += [i for i in hit if i not in found]
+        return found
+
+    def __call__(
+        self, walk: Any, eqn: Any, invals: Sequence[Any], inmarks: Sequence[int]
+    ) -> tuple[list[Any], list[int]] | None:
+        if self.sel is None:
+            return None
+        found = self._indices(walk, eqn)
+        if not found:
+            return None
+        from mixprec._src.autocast.interpreter import _eqn_context, run_eqn
+        from mixprec._src.autocast.walk import _site_config
+
+        # Several sites in one op (a fused attention): the widest of theirs,
+        # as `Walk.for_eqn` gives it (`order` is narrowest first).
+        sel = self.sel[found[0]]
+        for i in found[1:]:
+            sel = jnp.maximum(sel, self.sel[i])
+        wide = walk.facts.wide
+        results = []
+        for b, policy in enumerate(self.order):
+            w = walk
+            if policy != walk.config.policy:
+                w = walk._copy(config=_site_config(walk.config, policy))
+            on = sel == b
+            gated = [_gate(x, on) if _is_float(x) else x for x in invals]
+            with _eqn_context(eqn):
+                results.append(run_eqn(w, eqn, gated, inmarks))
+            for v in eqn.outvars:
+                wide.pop(v, None)
+        base_outs, base_marks = results[self.base]
+        outs = []
+        for j, ref in enumerate(base_outs):
+            dtype = jnp.result_type(ref)
+            branches = [jax.lax.convert_element_type(r[0][j], dtype) for r in results]
+            outs.append(jax.lax.select_n(sel, *branches))
+        return outs, base_marks
+
+
+def _is_float(x: Any) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.floating)
+
+
+@jax.custom_vjp
+def _gate(x: Any, on: Any) -> Any:
+    """``x``; its cotangent passes only where ``on`` (a branch not selected
+    gets a zero cotangent, so its backward's ``0 * inf`` of a float16
+    overflow cannot reach the gradients as a NaN)."""
+    del on
+    return x
+
+
+def _gate_fwd(x: Any, on: Any) -> tuple[Any, Any]:
+    return x, on
+
+
+def _gate_bwd(on: Any, ct: Any) -> tuple[Any, None]:
+    return jnp.where(on, ct, jnp.zeros_like(ct)), None
+
+
+_gate.defvjp(_gate_fwd, _gate_bwd)
+
+
+class _SwitchPlan(Plan):
+    """A float32 plan whose sites' policies :class:`_Switch` selects at run
+    time. Compared by identity: its programs close over one trace's
+    selector."""
+
+    def __init__(self, base: Policy, switch: _Switch) -> None:
+        super().__init__(base)
+        object.__setattr__(self, "switch", switch)
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    def __hash__(self) -> int:
+        return id(self)
+
+
+def _switched(
+    loss_fn: Callable[..., Any],
+    keys: Sequence[tuple[str, str, int]],
+    names: Sequence[str],
+    float32: str,
+    argnums: Any,
+    loss_scale: float | None,
+    mode: str,
+) -> Callable[..., tuple[np.ndarray, list[np.ndarray]]]:
+    """The loss and gradients of ``loss_fn`` with site ``keys[i]`` at
+    ``names[choice[i]]``, compiled once for every ``choice``: ``run(choice,
+    *args)``."""
+    from mixprec._src.autocast.api import autocast
+
+    order = sorted(
+        dict.fromkeys(names), key=lambda c: (policy_rank(get_policy(c)), names.index(c))
+    )
+    base = get_policy(float32)
+    switch = _Switch(keys, [get_policy(c) for c in order], order.index(float32))
+    fn = autocast(loss_fn, _SwitchPlan(base, switch), mode=mode)
+    scale = 1.0 if loss_scale is None else float(loss_scale)
+
+    def scaled(*a: Any) -> Any:
+        return jnp.asarray(fn(*a), jnp.float32) * scale
+
+    def measure(sel: Any, *a: Any) -> Any:
+        switch.sel = sel
+        try:
+            return jax.value_and_grad(scaled, argnums)(*a)
+        finally:
+            switch.sel = None
+
+    step = jax.jit(measure)
+
+    def run(choice: Sequence[str], *args: Any) -> tuple[np.ndarray, list[np.ndarray]]:
+        sel = np.asarray([order.index(c) for c in choice], np.int32)
+        loss, grads = step(sel, *args)
+        return (
+            np.asarray(loss, np.float64) / scale,
+            [g / scale for g in _leaves(grads)],
+        )
+
+    return run
+
+
 def _json_number(x: float) -> float | None:
     return None if not math.isfinite(x) else float(x)
 
@@ -293,12 +471,14 @@ def plan(
             for name in ("overflow", "underflow", "nonfinite", "flushed", "quantized"):
                 m[name] = m.get(name, 0) + int(getattr(op, name, 0) or 0)
 
-    # The effect of each site alone at each candidate.
-    ref = _value_and_grad(loss_fn, argnums, loss_scale)(*args)
-    from mixprec._src.autocast.api import autocast
-
+    # The effect of each site alone at each candidate: one program, compiled
+    # once, in which each site's candidate is an argument (`_Switch`); the
+    # reference is the same program with every site at float32.
     float32 = next(c for c in names if runs_as(c) == "float32")
-    for key, f in found.items():
+    keys = list(found)
+    alone = _switched(loss_fn, keys, names, float32, argnums, loss_scale, mode)
+    ref = alone([float32] * len(keys), *args)
+    for pos, f in enumerate(found.values()):
         for c in names:
             m = f.measured.setdefault(c, {})
             m["runs_as"] = f.runs.get(c, runs_as(c))
@@ -321,49 +501,99 @@ def plan(
                 for name in ("loss_error", "grad_error", "effect"):
                     m[name] = f.measured[same][name]
                 continue
-            alone = Plan(get_policy(float32), sites=(Site(*key, policy=c),))
-            got = _value_and_grad(
-                autocast(loss_fn, alone, mode=mode), argnums, loss_scale
-            )
-            loss_error, grad_error = _effects(ref, got(*args))
+            choice = [float32] * len(keys)
+            choice[pos] = c
+            loss_error, grad_error = _effects(ref, alone(choice, *args))
             m["loss_error"] = _json_number(loss_error)
             m["grad_error"] = _json_number(grad_error)
             m["effect"] = _json_number(max(loss_error, grad_error))
 
-    sites = []
-    for key, f in found.items():
-        ok = [c for c in names if _passes(f.measured.get(c, {}), tolerance)]
+    def cost(f: _Found, c: str) -> tuple[Any, ...]:
         # The cheapest; among equally cheap ones, one that runs the site as
         # its name says (not a float8 policy whose recipe keeps it 16-bit),
         # then the widest (float16 costs float32's on a CPU: float32).
-        chosen = min(
-            ok,
-            key=lambda c: (
-                f.flops / table[f.runs.get(c, runs_as(c))],
-                f.runs.get(c, runs_as(c)) != runs_as(c),
-                tuple(-r for r in policy_rank(get_policy(c))),
-                names.index(c),
-            ),
+        return (
+            f.flops / table[f.runs.get(c, runs_as(c))],
+            f.runs.get(c, runs_as(c)) != runs_as(c),
+            tuple(-r for r in policy_rank(get_policy(c))),
+            names.index(c),
         )
-        sites.append(
-            Site(
-                *key,
-                policy=chosen,
-                chosen=chosen,
-                source=f.source,
-                flops=f.flops,
-                measured=tuple(
-                    (c, tuple(sorted(f.measured[c].items()))) for c in names
-                ),
-            )
+
+    ok = {
+        k: [c for c in names if _passes(f.measured.get(c, {}), tolerance)]
+        for k, f in found.items()
+    }
+    choice = {k: min(ok[k], key=lambda c, f=f: cost(f, c)) for k, f in found.items()}
+    combined = _combined(
+        found, ok, choice, cost, lambda ch: _effects(ref, alone(ch, *args)), tolerance
+    )
+    sites = [
+        Site(
+            *key,
+            policy=choice[key],
+            chosen=choice[key],
+            source=f.source,
+            flops=f.flops,
+            measured=tuple((c, tuple(sorted(f.measured[c].items()))) for c in names),
         )
+        for key, f in found.items()
+    ]
     return Plan(
         base_policy,
         sites=tuple(sites),
         platform=platform,
         tolerance=float(tolerance),
         candidates=tuple(names),
+        combined=combined,
     )
+
+
+def _combined(
+    found: Mapping[tuple[str, str, int], _Found],
+    ok: Mapping[tuple[str, str, int], list[str]],
+    choice: dict[tuple[str, str, int], str],
+    cost: Callable[[_Found, str], Any],
+    measure: Callable[[list[str]], tuple[float, float]],
+    tolerance: float,
+) -> dict[str, Any]:
+    """Checks the chosen sites together (the rest of the program in float32)
+    and, while their effect exceeds ``tolerance``, raises the site whose own
+    effect at its policy is the largest to the cheapest wider candidate that
+    passed alone (float32 at the end). Edits ``choice``; returns what
+    ``Plan.combined`` keeps."""
+    keys = list(found)
+    raised: list[list[Any]] = []
+
+    def wider(k: tuple[str, str, int]) -> list[str]:
+        rank = policy_rank(get_policy(choice[k]))
+        return [c for c in ok[k] if policy_rank(get_policy(c)) > rank]
+
+    def own(k: tuple[str, str, int]) -> float:
+        e = found[k].measured.get(choice[k], {}).get("effect")
+        return math.inf if e is None else float(e)
+
+    first: float | None = None
+    while True:
+        loss_error, grad_error = measure([choice[k] for k in keys])
+        effect = max(loss_error, grad_error)
+        if first is None:
+            first = effect
+        passed = effect <= tolerance
+        movable = [k for k in keys if wider(k)]
+        if passed or not movable:
+            break
+        k = max(movable, key=lambda k: (own(k), found[k].flops))
+        to = min(wider(k), key=lambda c: cost(found[k], c))
+        raised.append([*k, choice[k], to])
+        choice[k] = to
+    return {
+        "loss_error": _json_number(loss_error),
+        "grad_error": _json_number(grad_error),
+        "effect": _json_number(effect),
+        "first_effect": _json_number(first),
+        "passed": bool(passed),
+        "raised": raised,
+    }
 
 
 def _passes(m: Mapping[str, Any], tolerance: float) -> bool:
@@ -409,6 +639,25 @@ def _fmt(x: Any) -> str:
     return str(x)
 
 
+def _combined_line(c: Mapping[str, Any], tolerance: float | None) -> str:
+    def num(name: str) -> str:
+        return _fmt(c.get(name))
+
+    text = (
+        f"all sites together (the rest in float32): effect {num('effect')} "
+        f"(loss {num('loss_error')}, gradients {num('grad_error')})"
+    )
+    raised = list(c.get("raised", ()))
+    if raised:
+        text += (
+            f"; {num('first_effect')} as first chosen, over the tolerance, so "
+            f"{len(raised)} site(s) were raised, largest own effect first (raised)"
+        )
+    if c.get("passed"):
+        return text + f": within tolerance {_fmt(tolerance)}"
+    return text + f": OVER the tolerance {_fmt(tolerance)} with every site at float32"
+
+
 def render_plan(p: Plan) -> str:
     """The text ``print(plan)`` shows."""
     from mixprec._src.numerics.record import short_source
@@ -418,6 +667,8 @@ def render_plan(p: Plan) -> str:
     head = ["layer", "op", "#", "source", "FLOPs"]
     head += [f"effect {c}" for c in cands] + ["policy"]
     rows = []
+    combined = dict(p.combined)
+    raised = {tuple(r[:3]): r for r in combined.get("raised", ())}
     for s in p.sites:
         m = s.measurements()
         row = [
@@ -437,6 +688,8 @@ def render_plan(p: Plan) -> str:
                 text += f" ({mc.get('runs_as')})"
             row.append(text)
         mark = " (by hand)" if s.overridden else "" if s.chosen else " (written)"
+        if s.key in raised and not s.overridden:
+            mark += " (raised)"
         row.append(s.policy + mark)
         rows.append(row)
     title = f"Plan: base {p.base}, {len(p.sites)} sites, {len(p.rules)} rules"
@@ -448,6 +701,8 @@ def render_plan(p: Plan) -> str:
     for i, r in enumerate(p.rules):
         ops = ",".join(r.ops) or "all products"
         lines.append(f"rule {i}: layers {r.layers!r} ops {ops} -> {r.policy}")
+    if combined:
+        lines.append(_combined_line(combined, p.tolerance))
     shares = flop_shares(p)
     if shares:
         lines.append(
