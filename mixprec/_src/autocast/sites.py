@@ -80,24 +80,75 @@ _cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def name_sites(
-    jaxpr: Jaxpr, scope: str = "", backward: bool = False
+    jaxpr: Jaxpr,
+    scope: str = "",
+    backward: bool = False,
+    outer: dict[int, tuple[SiteKey, ...]] | None = None,
 ) -> dict[int, tuple[SiteKey, ...]]:
-    """Per product equation of ``jaxpr`` (by ``id``), the sites it belongs
-    to: one for a forward product, those of the forward products it was
-    traced back to for a backward one (``backward``: the whole jaxpr is a
-    backward pass)."""
+    """Per product equation of ``jaxpr`` and of the bodies in its equations'
+    parameters (by ``id``), the sites it belongs to: one for a forward
+    product, those of the forward products it was traced back to for a
+    backward one (``backward``: the whole jaxpr is a backward pass).
+
+    The index counts a layer's products in program order across bodies: a
+    product in a ``cond`` branch or a called function's body is not the
+    same site as one of the same layer outside it. A body reached twice
+    (a ``scan`` body, for every iteration; one function called twice from
+    the same layer) keeps the names of its first visit. ``outer``: the
+    names the walk has for the jaxpr around this body; used when they name
+    this body's products in its layers (else the body is named on its own,
+    from index 0).
+    """
+    if outer:
+        hit = _inherited(jaxpr, scope, outer)
+        if hit is not None:
+            return hit
     per_jaxpr = _cache.setdefault(jaxpr, {})
     hit = per_jaxpr.get((scope, backward))
     if hit is not None:
         return hit
     out: dict[int, tuple[SiteKey, ...]] = {}
-    counts: dict[tuple[str, str], int] = {}
+    _name(jaxpr, scope, backward, out, {})
+    per_jaxpr[(scope, backward)] = out
+    return out
+
+
+def _inherited(
+    jaxpr: Jaxpr, scope: str, outer: dict[int, tuple[SiteKey, ...]]
+) -> dict[int, tuple[SiteKey, ...]] | None:
+    """``outer`` if it names every product of ``jaxpr`` in the layer it has
+    under ``scope``."""
+    found = False
+    for eqn in jaxpr.eqns:
+        if not _is_product(eqn):
+            continue
+        keys = outer.get(id(eqn))
+        if not keys or any(k[0] != layer_of(eqn, scope) for k in keys):
+            return None
+        found = True
+    return outer if found else None
+
+
+def _name(
+    jaxpr: Jaxpr,
+    scope: str,
+    backward: bool,
+    out: dict[int, tuple[SiteKey, ...]],
+    counts: dict[tuple[str, str], int],
+) -> None:
     read_by: dict[Any, list[SiteKey]] = {}
     producer: dict[Any, JaxprEqn] = {}
     for eqn in jaxpr.eqns:
         for v in eqn.outvars:
             producer[v] = eqn
         if not _is_product(eqn):
+            subs = list(_sub_jaxprs(eqn))
+            if subs:
+                stack = _compat.eqn_name_stack(eqn.source_info)
+                inner = f"{scope}/{stack}" if scope and stack else scope or stack
+                for sub in subs:
+                    if not any(id(e) in out for e in sub.eqns if _is_product(e)):
+                        _name(sub, inner, backward or _is_backward(eqn), out, counts)
             continue
         layer = layer_of(eqn, scope)
         op = eqn.primitive.name
@@ -117,8 +168,6 @@ def name_sites(
                     if k[1] == op and k not in found:
                         found.append(k)
         out[id(eqn)] = tuple(found) if found else ((layer, op, None),)
-    per_jaxpr[(scope, backward)] = out
-    return out
 
 
 def _upstream(v: Any, producer: dict[Any, JaxprEqn]) -> Iterator[Any]:

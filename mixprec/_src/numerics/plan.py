@@ -290,6 +290,29 @@ def _gate_bwd(on: Any, ct: Any) -> tuple[Any, None]:
 _gate.defvjp(_gate_fwd, _gate_bwd)
 
 
+def _per_site(
+    loss_fn: Callable[..., Any],
+    keys: Sequence[tuple[str, str, int]],
+    float32: str,
+    argnums: Any,
+    loss_scale: float | None,
+    mode: str,
+) -> Callable[..., tuple[np.ndarray, list[np.ndarray]]]:
+    """What :func:`_switched` computes, one compiled program per choice."""
+    from mixprec._src.autocast.api import autocast
+
+    def run(choice: Sequence[str], *args: Any) -> tuple[np.ndarray, list[np.ndarray]]:
+        sites = tuple(
+            Site(*k, policy=c)
+            for k, c in zip(keys, choice, strict=True)
+            if runs_as(c) != "float32"
+        )
+        fn = autocast(loss_fn, Plan(get_policy(float32), sites=sites), mode=mode)
+        return _value_and_grad(fn, argnums, loss_scale)(*args)
+
+    return run
+
+
 class _SwitchPlan(Plan):
     """A float32 plan whose sites' policies :class:`_Switch` selects at run
     time. Compared by identity: its programs close over one trace's
@@ -477,7 +500,14 @@ def plan(
     float32 = next(c for c in names if runs_as(c) == "float32")
     keys = list(found)
     alone = _switched(loss_fn, keys, names, float32, argnums, loss_scale, mode)
-    ref = alone([float32] * len(keys), *args)
+    try:
+        ref = alone([float32] * len(keys), *args)
+    except Exception:  # noqa: BLE001  (re-raised by the per-site programs)
+        # A body autocast re-traces as its own program (a `jax.jit` called
+        # inside the loss) closes over the selector, which such a program
+        # cannot take: one program per measurement instead.
+        alone = _per_site(loss_fn, keys, float32, argnums, loss_scale, mode)
+        ref = alone([float32] * len(keys), *args)
     for pos, f in enumerate(found.values()):
         for c in names:
             m = f.measured.setdefault(c, {})
