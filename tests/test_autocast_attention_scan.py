@@ -223,6 +223,38 @@ def test_whole_step_cuda_export_without_the_scan_pair_rewrite_has_none(monkeypat
     )
 
 
+@pytest.mark.usefixtures("cudnn")
+@pytest.mark.parametrize("policy", [None, "dots_with_no_batch_dims_saveable"])
+def test_whole_step_with_checkpointed_layers_has_the_loss_only_kernels(policy):
+    # `jax.checkpoint` on the scanned layer (the MaxText layout): the forward
+    # scan's body computes the attention with the mask and fill JAX hoisted
+    # out of it, the transposed body recomputes it and runs its backward
+    # (fused in the checkpoint's body).
+    loss_stack, params, x = lax_scan()
+    del loss_stack
+    saves = None if policy is None else getattr(jax.checkpoint_policies, policy)
+    layer = jax.checkpoint(
+        lambda x, p: (_mix(x, p["qkv"], p["proj"]), None), policy=saves
+    )
+
+    def loss(params, x):
+        return jnp.mean(lax.scan(layer, x, params)[0] ** 2)
+
+    for low in LOWS:
+        whole = _fmha_counts(mixprec.autocast(_step(loss), f"mixed_{low}"), params, x)
+        loss_only = _fmha_counts(
+            _step(mixprec.autocast(loss, f"mixed_{low}")), params, x
+        )
+        # The forward's kernel, its recomputation's, and the backward's.
+        assert loss_only == (2, 1)
+        assert whole == loss_only
+    want = jax.value_and_grad(loss)(params, x)
+    got = jax.jit(mixprec.autocast(jax.value_and_grad(loss), "mixed_bfloat16"))(
+        params, x
+    )
+    assert_trees_close(got[1], want[1], dtype="bfloat16", grad=True)
+
+
 def _attention_entries(fn, *args, policy):
     report = mixprec.explain(fn, *args, policy=policy)
     return [

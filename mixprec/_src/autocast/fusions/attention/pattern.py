@@ -226,7 +226,7 @@ class _Users(dict):
     eqns: Sequence[JaxprEqn] = ()
     # Values of constants known before the walk, read as a mask's fill where
     # JAX's derivative of a loop hoisted the broadcast fill out of its body
-    # (set for a differentiated program's forward).
+    # (set by :func:`find` and :func:`unpaired`).
     given: dict[Any, Any] = {}
 
 
@@ -807,6 +807,7 @@ def find(
         return {}
     given = _given(jaxpr, consts, known)
     users = _users(jaxpr)
+    users.given = given
     out: dict[int, Match] = {}
     taken: set[int] = set()
     for m in _untaken_matches(jaxpr, users, dots, taken):

@@ -103,6 +103,25 @@ def rewrite(
         pair = _pair(jaxpr, consts, known, fwd[0], j)
         if pair is not None:
             new[fwd[0]], new[j] = pair
+    # Any other scan's body: its attentions found with what is known of its
+    # constants (the mask and fill JAX's derivative hoists out of a forward
+    # body whose backward is recomputed under `jax.checkpoint`, say), which
+    # its walk does not know.
+    given = _given(jaxpr, consts, known)
+    for i in scans:
+        e = eqns[i]
+        body: ClosedJaxpr = e.params["jaxpr"]
+        if i in new or sum(q.primitive.name == "dot_general" for q in body.eqns) < 2:
+            continue
+        nc, _ = _compat.scan_layout(e.params)
+        known_body = pattern.constant_values(jaxpr, given, e.invars[:nc])
+        if all(x is None for x in known_body):
+            continue
+        done = pattern.rewrite(body.jaxpr, body.consts, known_body)
+        if done is not body.jaxpr:
+            new[i] = e.replace(
+                params={**e.params, "jaxpr": ClosedJaxpr(done, body.consts)}
+            )
     if not new:
         return jaxpr
     return jaxpr.replace(eqns=[new.get(i, e) for i, e in enumerate(eqns)])
