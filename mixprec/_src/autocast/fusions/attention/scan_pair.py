@@ -35,6 +35,12 @@ pass needs that the forward scan does not return, a jaxpr the rewrite would
 leave reading an undefined value), both scans are left as they are (and
 ``explain`` and ``diagnose`` name the attention as unfused).
 
+The body of any other ``scan`` (a forward scan whose backward is recomputed
+under ``jax.checkpoint`` in the transposed body, say) has its attentions
+found here too, with what the program knows of the body's constants: JAX's
+derivative hoists the mask and its fill out of the forward body, and the
+body's own walk does not know their values.
+
 Examples:
     >>> import jax, jax.numpy as jnp
     >>> from jax import lax
@@ -79,8 +85,9 @@ def rewrite(
     jaxpr: Jaxpr, consts: Sequence[Any] = (), known: Sequence[Any] = ()
 ) -> Jaxpr:
     """``jaxpr`` with the attentions of each forward/transposed ``scan`` pair
-    whose backward pass is proven fused in both bodies (see the module
-    docstring), or the same jaxpr."""
+    whose backward pass is proven fused in both bodies, and those of other
+    scan bodies found with their known constants (see the module docstring),
+    or the same jaxpr."""
     eqns = jaxpr.eqns
     scans = [i for i, e in enumerate(eqns) if e.primitive.name == "scan"]
     if len(scans) < 2:
