@@ -147,7 +147,7 @@ def test_table_entries_are_consistent():
         if ops.FUSION in spec.flags:  # its rule runs it fused or as its ops
             assert spec.op_class == "allow" and spec.rule is not None, spec.name
     fusions = {s.name for s in ops.all_specs() if ops.FUSION in s.flags}
-    assert fusions == {"dot_product_attention"}
+    assert fusions == {"dot_product_attention", "rms_norm"}
     assert ops.COMPOSITES == {s.name for s in ops.all_specs() if s.composite}
 
 
@@ -658,3 +658,33 @@ def test_op_table_check_cli(tmp_path):
     assert gen.main(["--output", str(out), "--check"]) == 0
     out.write_text(out.read_text() + "edited\n")
     assert gen.main(["--output", str(out), "--check"]) == 1
+
+
+def test_every_fusion_entry_is_complete():
+    """Each registered fusion is one complete entry: a folder with its pattern,
+    rule and entry; its primitive in the op table (allow, flag fusion) with the
+    entry's reason and rule; its passes run by the pass list; every field
+    callable."""
+    from mixprec._src.autocast import fusions
+
+    root = REPO / "mixprec" / "_src" / "autocast" / "fusions"
+    entries = fusions.registered()
+    assert [e.name for e in entries] == ["dot_product_attention", "rms_norm"]
+    assert len(fusions.REGISTERED) == len(entries)
+    for folder, entry in zip(fusions.REGISTERED, entries, strict=True):
+        assert isinstance(entry, fusions.Fusion)
+        for name in ("__init__.py", "pattern.py", "rule.py", "entry.py"):
+            assert (root / folder / name).is_file(), (folder, name)
+        spec = ops.spec_for(entry.name)
+        assert spec is not None, entry.name
+        assert spec.op_class == "allow" and ops.FUSION in spec.flags
+        assert spec.reason == entry.reason and entry.reason
+        assert spec.rule is entry.rule
+        assert entry.passes and all(p in fusions.passes() for p in entry.passes)
+        for fn in (entry.rule, entry.flops, entry.decided_by, entry.fused_reason):
+            assert callable(fn)
+        assert entry.unfused_notes(jax.make_jaxpr(jnp.sin)(1.0).jaxpr, (), ()) == []
+        assert fusions.entry_for(entry.name) is entry
+    # No other primitive carries the fusion flag.
+    flagged = {s.name for s in ops.all_specs() if ops.FUSION in s.flags}
+    assert flagged == {e.name for e in entries}

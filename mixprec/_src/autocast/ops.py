@@ -141,9 +141,10 @@ KEEPS_MAGNITUDE: Final = "keeps_magnitude"
 ADDITIVE: Final = "additive"
 #: A sum across devices: it runs in the policy's ``reduce_dtype``.
 CROSS_DEVICE_SUM: Final = "cross_device_sum"
-#: A fusion: an op a rewrite pass made of several (a written-out attention),
-#: fused where every op it replaces would run in the low dtype, else run as
-#: those ops (see :func:`def_fusion`).
+#: A fusion: an op a rewrite pass made of several (a registered
+#: :class:`~mixprec._src.autocast.fusions.Fusion`: a written-out attention or
+#: RMSNorm), fused where every op that decides it would run in the low dtype,
+#: else run as those ops (see :func:`def_fusion`).
 FUSION: Final = "fusion"
 FLAGS: Final = frozenset(
     {
@@ -304,7 +305,9 @@ def add_flags(names: Iterable[str], *flags: str) -> None:
 def def_fusion(name: str, reason: str, rule: Callable[..., Any]) -> None:
     """Adds the op of a fusion (the private primitive a rewrite pass puts in
     place of the ops it recognised) to the table, in the allow list, with its
-    rule. It is decided from the ops it replaces
+    rule; called for each registered
+    :class:`~mixprec._src.autocast.fusions.Fusion` when the rules are
+    imported. It is decided from the ops it replaces
     (:func:`~mixprec._src.autocast.decide.decide_fusion`)."""
     _define("allow", [name], reason, flags=[FUSION])
     set_rule(name, rule)

@@ -13,9 +13,9 @@ and ``diagnose`` are built from the registered entries.
 
 Examples:
     >>> [f.name for f in registered()]
-    ['dot_product_attention']
-    >>> entry_for("dot_product_attention").primitive.name
-    'dot_product_attention'
+    ['dot_product_attention', 'rms_norm']
+    >>> entry_for("rms_norm").primitive.name
+    'rms_norm'
     >>> entry_for("exp") is None
     True
 """
@@ -44,7 +44,10 @@ __all__ = [
 
 #: The registered fusions, in the order their rewrite passes run: one line per
 #: fusion, the name of its folder (whose ``entry.py`` declares ``FUSION``).
-REGISTERED: Final[tuple[str, ...]] = ("attention",)
+REGISTERED: Final[tuple[str, ...]] = (
+    "attention",
+    "norm",
+)
 
 Pass = Callable[[Jaxpr, Sequence[Any], Sequence[Any]], Jaxpr]
 Notes = Callable[[Jaxpr, Sequence[Any], Sequence[Any]], list[str]]
