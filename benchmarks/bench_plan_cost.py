@@ -1,12 +1,13 @@
-"""Where one measurement of ``mixprec.plan`` spends its time.
+"""Where ``mixprec.plan``'s measurement spends its time.
 
-``mixprec.plan`` measures each (site, candidate) with one compiled run of the
-loss and gradients, that site alone at the candidate (``bench_plan.py``
-times the whole call). This splits one such measurement of
-``bench_plan.py``'s model (the massive-activation LM, seed 0, one batch)
+``mixprec.plan`` measures every (site, candidate) with one compiled program
+of the loss and gradients in which each site's candidate is an argument
+(``bench_plan.py`` times the whole call). This splits that program, for
+``bench_plan.py``'s model (the massive-activation LM, seed 0, one batch),
 into trace (for autocast: its interpreter), lower, XLA compile and one warm
-run, for the float32 reference (plain ``jax.jit``) and three sites, beside
-the compile and the step time of a float32 AdamW training step. Writes
+run, beside the per-site programs it replaces (three sites, each compiled
+alone at one candidate), the float32 reference (plain ``jax.jit``) and a
+float32 AdamW training step. Writes
 ``benchmarks/results/plan_cost_<backend>.json``; set
 ``XLA_FLAGS=--xla_backend_optimization_level=0`` and ``--tag O0`` to see
 what a cheaper CPU compile would save (the results go to
@@ -34,9 +35,10 @@ for p in (_ROOT, _HERE):
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from bench_plan import make_model  # noqa: E402
+from bench_plan import make_model, timed_plan  # noqa: E402
 
 import mixprec  # noqa: E402
+from mixprec._src.numerics import plan as planner  # noqa: E402
 from mixprec._src.plan import Plan, Site  # noqa: E402
 from mixprec._src.policy import get_policy  # noqa: E402
 from mixprec._src.workloads import data, timing  # noqa: E402
@@ -76,6 +78,27 @@ def phases(fn, *args):
     }
 
 
+def switched_phases(loss_fn, keys, names, params, batch):
+    """:func:`phases` of ``mixprec.plan``'s measuring program (its selector
+    set to ``keys[0]`` alone at ``names[0]``)."""
+    order = sorted(names, key=lambda c: planner.policy_rank(get_policy(c)))
+    switch = planner._Switch(
+        keys, [get_policy(c) for c in order], order.index("float32")
+    )
+    fn = mixprec.autocast(loss_fn, planner._SwitchPlan(get_policy("float32"), switch))
+
+    def measure(sel, *a):
+        switch.sel = sel
+        try:
+            return jax.value_and_grad(fn)(*a)
+        finally:
+            switch.sel = None
+
+    sel = np.full(len(keys), order.index("float32"), np.int32)
+    sel[0] = order.index(names[0])
+    return phases(measure, sel, params, batch)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tag", default="")
@@ -97,6 +120,19 @@ def main(argv=None) -> int:
         alone = Plan(get_policy("float32"), sites=(Site(*key, policy=c),))
         fn = jax.value_and_grad(mixprec.autocast(loss_fn, alone))
         out[f"{'/'.join(map(str, key))} alone at {c}"] = phases(fn, params, batch)
+    # The one program `mixprec.plan` compiles: every site, every candidate.
+    report = mixprec.explain(loss_fn, params, batch, policy=Plan("float32"))
+    keys = list(
+        dict.fromkeys(
+            (op.site[0], op.site[1], int(op.site[2]))
+            for op in report.ops
+            if op.site is not None and not op.backward and op.site[2] is not None
+        )
+    )
+    names = ["mixed_float8", "mixed_bfloat16", "float32"]
+    out[f"one program: {len(keys)} sites x {len(names)} candidates"] = switched_phases(
+        loss_fn, keys, names, params, batch
+    )
     opt = optax.adamw(3e-3)
 
     def step(p, s, b):
@@ -107,10 +143,21 @@ def main(argv=None) -> int:
     out["float32 AdamW training step"] = phases(step, params, opt.init(params), batch)
     for k, v in out.items():
         print(k, {a: round(b, 3) for a, b in v.items()})
+    # The whole call, twice (the first in this process pays one-time
+    # warm-up), against the warm float32 training step.
+    step_s = out["float32 AdamW training step"]["run"]
+    whole = []
+    for _ in range(2):
+        _, seconds, breakdown = timed_plan(loss_fn, params, batch)
+        whole.append(
+            {"seconds": seconds, "steps": seconds / step_s, "breakdown": breakdown}
+        )
+        print(f"mixprec.plan {seconds:.1f} s = {seconds / step_s:.0f} steps", breakdown)
     res = {
         "benchmark": "bench_plan_cost",
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "seconds": out,
+        "whole_plan": whole,
         "environment_start": env,
         "loadavg_end": timing.loadavg(),
     }
