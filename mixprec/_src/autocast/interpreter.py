@@ -292,9 +292,7 @@ def eval_jaxpr(
     if plan is not None or walk.observer is not None:
         # (An observer reports each product's site, plan or not.)
         open_jaxpr: Jaxpr = jaxpr  # type: ignore[assignment]
-        named = sites_lib.name_sites(
-            open_jaxpr, walk.scope, walk.backward, walk.sites
-        )
+        named = sites_lib.name_sites(open_jaxpr, walk.scope, walk.backward, walk.sites)
         if plan is not None and not walk.path and not walk.scope:
             check_rules(plan, open_jaxpr)
     walk = walk.over(facts, named)
