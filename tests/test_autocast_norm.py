@@ -266,8 +266,13 @@ def test_programs_without_a_norm_are_unchanged():
     def fn(x, scale):  # an rsqrt, a mean, no norm
         return jax.lax.rsqrt(jnp.mean(x * x) + 1.0) + jnp.sum(x * _row(scale, x))
 
+    def of_a_literal(x):  # an rsqrt of a constant (a scale written so)
+        return x * jax.lax.rsqrt(48.0)
+
     _, scale, x = _args()
     closed = jax.make_jaxpr(fn)(x, scale)
+    assert norm.rewrite(closed.jaxpr, closed.consts) is closed.jaxpr
+    closed = jax.make_jaxpr(of_a_literal)(x)
     assert norm.rewrite(closed.jaxpr, closed.consts) is closed.jaxpr
     net = _net(lambda h, s: h * _row(s, h))
     args = _args()

@@ -143,6 +143,8 @@ def _match(
         return used[0]
 
     def made_by(v: Any, *names: str) -> int:
+        if type(v) is Literal:
+            raise _Fail
         i = producer.get(v)
         if i is None or eqns[i].primitive.name not in names:
             raise _Fail
