@@ -269,11 +269,16 @@ def test_programs_without_a_norm_are_unchanged():
     def of_a_literal(x):  # an rsqrt of a constant (a scale written so)
         return x * jax.lax.rsqrt(48.0)
 
+    def statistic_times_a_literal(x):
+        ms = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
+        return jax.lax.rsqrt(ms + 1e-6) * 2.0
+
     _, scale, x = _args()
     closed = jax.make_jaxpr(fn)(x, scale)
     assert norm.rewrite(closed.jaxpr, closed.consts) is closed.jaxpr
-    closed = jax.make_jaxpr(of_a_literal)(x)
-    assert norm.rewrite(closed.jaxpr, closed.consts) is closed.jaxpr
+    for other in (of_a_literal, statistic_times_a_literal):
+        closed = jax.make_jaxpr(other)(x)
+        assert norm.rewrite(closed.jaxpr, closed.consts) is closed.jaxpr
     net = _net(lambda h, s: h * _row(s, h))
     args = _args()
     a = jax.jit(mixprec.autocast(net, "mixed_bfloat16"))(*args)

@@ -208,7 +208,10 @@ def _match(
     if bcast_dims != kept or aval_shape(v) != keep_shape:
         raise _Fail
     normed = take(only_user(v))
-    if normed.primitive.name != "mul" or set(normed.invars) != {x, v}:
+    if normed.primitive.name != "mul" or not (
+        (normed.invars[0] is x and normed.invars[1] is v)
+        or (normed.invars[0] is v and normed.invars[1] is x)
+    ):
         raise _Fail
     scaled_at = only_user(normed.outvars[0])
     scaled = take(scaled_at)
