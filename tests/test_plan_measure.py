@@ -197,3 +197,35 @@ def test_the_combined_check_survives_the_file(tmp_path):
     assert loaded.combined == plan.combined
     assert loaded == plan
     assert "all sites together" in str(loaded)
+
+
+def _attn_loss(q, k, v):
+    with jax.named_scope("attn"):
+        s = jnp.einsum("bthd,bshd->bhts", q, k) / 8.0
+        o = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, axis=-1), v)
+    return jnp.mean(o**2)
+
+
+def test_one_program_measures_an_attention_as_the_per_site_programs_do():
+    """The products autocast may fuse into one attention: each alone at a
+    candidate, and both together, as the programs compiled so."""
+    q, k, v = jax.random.normal(jax.random.key(0), (3, 2, 16, 4, 64))
+    keys = _keys(_attn_loss, q, k, v)
+    assert len(keys) == 2
+    names = ["mixed_bfloat16", "float32"]
+    alone = planner._switched(
+        _attn_loss, keys, names, "float32", (0, 1, 2), None, _MODE
+    )
+    for choice in (
+        ["mixed_bfloat16", "float32"],
+        ["float32", "mixed_bfloat16"],
+        ["mixed_bfloat16"] * 2,
+    ):
+        sites = tuple(
+            Site(*key, policy=c)
+            for key, c in zip(keys, choice, strict=True)
+            if c != "float32"
+        )
+        plan = Plan(get_policy("float32"), sites=sites)
+        fn = planner._value_and_grad(autocast(_attn_loss, plan), (0, 1, 2), None)
+        _assert_float32_equal(alone(choice, q, k, v), fn(q, k, v), str(choice))
