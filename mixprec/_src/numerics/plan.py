@@ -13,8 +13,13 @@ convolution, a grouped matmul: the ops whose op-table entry has a
   at the candidate and everything else in float32 (its backward products
   follow it): ``loss_error = |L - L32| / |L32|``, ``grad_error`` the largest
   ``‖g - g32‖ / ‖g32‖`` over the gradient leaves. One site at a time isolates
-  what each costs; effects of several sites add up roughly, so check the
-  whole plan's effect by running it (the docs show how).
+  what each costs. All these runs are one compiled program in which each
+  site's candidate is an argument (:class:`_Switch`).
+
+The effects of several sites add up, so the chosen sites are then run
+together (the rest in float32); while that is over ``tolerance``, the site
+with the largest own effect is raised to the next wider candidate that
+passed alone (``Plan.combined`` records it).
 
 A candidate is within tolerance at a site when its effect,
 ``max(loss_error, grad_error)``, is at most ``tolerance`` and the op neither
