@@ -328,6 +328,25 @@ def test_whole_step_fused_formulation_matches_float32(stack, monkeypatch):
     assert_trees_close(got, loss_only, dtype="bfloat16", grad=True)
 
 
+def test_whole_step_fused_formulation_stacks_no_attention_weights(monkeypatch):
+    # What crosses between the scans once fused: the kernel's residuals. The
+    # weights the unfused backward would read are zeros in the fused
+    # formulation, and XLA drops them (compiled here with JAX's XLA
+    # implementation standing in for cuDNN).
+    loss, params, x = lax_scan()
+
+    def stacked_weights(fn):
+        hlo = jax.jit(fn).lower(params, x).compile().as_text()
+        return len(re.findall(rf"\w+\[{L},{B},{N},{T},{T}\]", hlo))
+
+    whole = mixprec.autocast(jax.value_and_grad(loss), "mixed_bfloat16")
+    assert stacked_weights(whole) > 0  # the CPU formulation: the ops, unfused
+    monkeypatch.setattr(attention_rule, "_IMPLEMENTATION", "xla")
+    _pin_cuda_attention(monkeypatch)
+    with jax.numpy_dtype_promotion("standard"):
+        assert stacked_weights(whole) == 0
+
+
 # ------------------------------------------------- where it cannot fuse
 
 
