@@ -44,6 +44,10 @@ from mixprec._src.autocast.fusions.attention import (
 POLICIES = {
     "default": None,
     "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
+    # (Saves no product with batch axes: none of the attention's.)
+    "dots_with_no_batch_dims_saveable": (
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    ),
 }
 # The forms whose recomputed attention is fused (jax.nn.dot_product_attention's
 # XLA implementation, with its unit group axis, is fused at top level only:
@@ -275,9 +279,9 @@ def test_a_checkpointed_layer_in_a_scan_fuses_its_recomputed_backward(
 ):
     # `jax.checkpoint` around the layer a lax.scan stacks: the transposed
     # scan body holds the transposed checkpoint, whose recomputed attention
-    # and backward are fused (one forward, one backward kernel there). The
-    # attention of the forward scan body is the scan stacks' matter
-    # (tests/test_autocast_attention_scan.py).
+    # and backward are fused (one forward, one backward kernel there); the
+    # forward scan body's attention is fused by the scan pass
+    # (tests/test_autocast_attention_scan.py): the loss-only wrap's kernels.
     w, x = _layer_args()
     ws = jax.tree.map(lambda a: jnp.stack([a, 0.5 * a, -a]), w)
 
@@ -289,8 +293,7 @@ def test_a_checkpointed_layer_in_a_scan_fuses_its_recomputed_backward(
 
     step = jax.value_and_grad(loss)
     whole = mixprec.autocast(step, f"mixed_{low}")
-    fwd, bwd, _ = _fmha_counts(whole, ws, x)
-    assert bwd == 1 and fwd >= 1
+    assert _fmha_counts(whole, ws, x)[:2] == (2, 1)
     entries = [
         (op.path, op.reason.split(" (")[0])
         for op in mixprec.explain(step, ws, x, policy=f"mixed_{low}").ops
@@ -306,17 +309,28 @@ def test_a_checkpointed_layer_in_a_scan_fuses_its_recomputed_backward(
 # ------------------------------------------------- what stays unfused, and says so
 
 
+SAVING = {
+    "dots_saveable": (jax.checkpoint_policies.dots_saveable, (2, 1)),
+    "everything_saveable": (jax.checkpoint_policies.everything_saveable, (1, 1)),
+}
+
+
 @pytest.mark.parametrize("low", ["bfloat16", "float16"])
-def test_a_policy_that_saves_the_scores_names_the_unfused_attention(low, cudnn_present):
-    # dots_saveable saves the scores product: the forward's scores leave it
-    # for the checkpoint's body, whose recomputation starts from them. Neither
-    # pass is fused (autocast around the checkpointed function fuses both);
-    # the gradients are those of float32 and explain and diagnose say why.
+@pytest.mark.parametrize("saving", sorted(SAVING))
+def test_a_policy_that_saves_the_attentions_values_names_it_unfused(
+    saving, low, cudnn_present
+):
+    # dots_saveable saves the scores product (everything_saveable every
+    # value): the forward's values leave it for the checkpoint's body, whose
+    # recomputation starts from them (or which recomputes nothing). Neither
+    # pass is fused (autocast around the checkpointed function fuses both:
+    # its loss-only counts); the gradients are those of float32, and explain
+    # and diagnose say why.
     q, k, v = _qkv()
-    policy = jax.checkpoint_policies.dots_saveable
+    policy, loss_only_counts = SAVING[saving]
     whole, loss_only = _steps(gpt_causal, policy, low)
     assert _fmha_counts(whole, q, k, v)[:2] == (0, 0)
-    assert _fmha_counts(loss_only, q, k, v)[:2] == (2, 1)
+    assert _fmha_counts(loss_only, q, k, v)[:2] == loss_only_counts
     grad = jax.grad(
         _sum_loss(jax.checkpoint(gpt_causal, policy=policy)), argnums=(0, 1, 2)
     )
@@ -324,7 +338,9 @@ def test_a_policy_that_saves_the_scores_names_the_unfused_attention(low, cudnn_p
     assert_trees_close(jax.jit(whole)(q, k, v), grad(q, k, v), dtype=low, grad=True)
     report = mixprec.explain(grad, q, k, v, policy=f"mixed_{low}")
     [note] = [n for n in report.notes if "jax.checkpoint" in n]
-    assert "not fused" in note and "saves" in note and "nothing_saveable" in note
+    assert note.startswith("dot_product_attention (scaled q·kᵀ, causal mask")
+    assert "not fused, forward or backward" in note and "saves" in note
+    assert "nothing_saveable" in note
     diag = mixprec.diagnose(grad, q, k, v, policy=f"mixed_{low}")
     assert any("jax.checkpoint" in n and "saves" in n for n in diag.notes)
 

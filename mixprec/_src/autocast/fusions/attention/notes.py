@@ -10,7 +10,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.extend.core import ClosedJaxpr, Jaxpr
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 from mixprec._src import _compat
 from mixprec._src.autocast import jaxprs
@@ -206,35 +206,55 @@ def _recomputed_backward_notes(
     notes = []
     fused: dict[str, int] = {}  # per source, the attentions fused in a body
     first = None
+    saving = []  # the checkpoints whose policy saves values
     for eqn in remats:
         place = short_source(_compat.eqn_source_summary(eqn.source_info))
+        saves = _policy_saves(eqn.params.get("policy"))
+        if saves is not None:
+            saving.append((eqn, place, saves))
         for _, body in _bodies(eqn):
             inner = _open(body)
             if sum(e.primitive.name == "dot_general" for e in inner.eqns) < 2:
                 continue
             first = first or place
             body_known = _known_operands(jaxpr, given, eqn, inner)
-            _, proven, unproven = remat.recomputed_attentions(inner, body_known)
+            _, proven = remat.recomputed_attentions(inner, body_known)
             for m in proven:
                 key = _compat.eqn_source_summary(m.eqn.source_info)
                 fused[key] = fused.get(key, 0) + 1
-            saves = _policy_saves(eqn.params.get("policy"))
-            for product in unproven if saves else ():
-                source = short_source(_compat.eqn_source_summary(product.source_info))
-                notes.append(
-                    f"dot_product_attention (its weights recomputed) at "
-                    f"{source or '<unknown>'}{at}: not fused, forward or backward. "
-                    f"The policy of its jax.checkpoint ({place or '<unknown>'}) "
-                    f"saves values of the attention ({saves}: dots_saveable saves "
-                    "its scores), so its forward is split between the step and the "
-                    "checkpoint's body of the backward pass, and autocast cannot "
-                    "prove it: its ops run one by one (on a GPU: no cuDNN kernel, "
-                    "and the attention weights are materialised). To fuse both "
-                    "passes, checkpoint with a policy that saves none of its values "
-                    "(jax.checkpoint_policies.nothing_saveable, or a policy that "
-                    "saves named values outside it), or apply autocast to the loss "
-                    "alone and differentiate that."
-                )
+    if saving:
+        # An attention whose values such a checkpoint reads (its residuals)
+        # is split between this jaxpr and the checkpoint's body: what
+        # `unpaired` finds of this jaxpr with those values as its results.
+        drop = {id(eqn) for eqn, _, _ in saving}
+        view = jaxpr.replace(
+            eqns=[e for e in jaxpr.eqns if id(e) not in drop],
+            outvars=[
+                *jaxpr.outvars,
+                *(
+                    u
+                    for eqn, _, _ in saving
+                    for u in eqn.invars
+                    if type(u) is not Literal
+                ),
+            ],
+        )
+        _, place, saves = saving[0]
+        for m in attention.unpaired(view, consts, known):
+            source = short_source(_compat.eqn_source_summary(m.eqn.source_info))
+            notes.append(
+                f"dot_product_attention ({m.pattern}) at {source or '<unknown>'}"
+                f"{at}: not fused, forward or backward. The policy of its "
+                f"jax.checkpoint ({place or '<unknown>'}) saves values of the "
+                f"attention ({saves}: dots_saveable saves its scores), so its "
+                "forward is split between the step and the checkpoint's body of "
+                "the backward pass, and autocast cannot prove it: its ops run one "
+                "by one (on a GPU: no cuDNN kernel, and the attention weights are "
+                "materialised). To fuse both passes, checkpoint with a policy that "
+                "saves none of its values (jax.checkpoint_policies.nothing_saveable "
+                "or dots_with_no_batch_dims_saveable), or apply autocast to the "
+                "loss alone and differentiate that."
+            )
     if first is None:
         return notes
     for m in attention.find(jaxpr, consts, known).values():

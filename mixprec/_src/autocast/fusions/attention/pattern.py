@@ -271,7 +271,7 @@ def _view_labels(eqn: JaxprEqn, labels: tuple[Label, ...]) -> tuple[Label, ...]:
     src, out = _shape(eqn.invars[0]), _shape(eqn.outvars[0])
     if name == "transpose":
         return tuple(labels[p] for p in eqn.params["permutation"])
-    if name == "copy":
+    if name in ("copy", "reduce_precision"):  # (an exact one: `_is_view`)
         return labels
     if name == "broadcast_in_dim":
         if math.prod(src) != math.prod(out):
@@ -374,7 +374,7 @@ def _follow_views(
         name = eqn.primitive.name
         if name == "convert_element_type" and _is_f32(eqn.outvars[0]):
             labels = labels
-        elif name not in _VIEWS:
+        elif name not in _VIEWS and not _is_exact_rounding(eqn):
             return v, labels
         else:
             labels = _view_labels(eqn, labels)
@@ -384,8 +384,21 @@ def _follow_views(
 
 def _is_view(eqn: JaxprEqn) -> bool:
     name = eqn.primitive.name
-    return name in _VIEWS or (
-        name == "convert_element_type" and _is_f32(eqn.outvars[0])
+    return (
+        name in _VIEWS
+        or (name == "convert_element_type" and _is_f32(eqn.outvars[0]))
+        or _is_exact_rounding(eqn)
+    )
+
+
+def _is_exact_rounding(eqn: JaxprEqn) -> bool:
+    """A ``reduce_precision`` of a float32 to float32's own precision (what
+    ``jax.checkpoint`` puts on the residuals its policy saves): a copy."""
+    return (
+        eqn.primitive.name == "reduce_precision"
+        and _is_f32(eqn.outvars[0])
+        and eqn.params.get("exponent_bits") == 8
+        and eqn.params.get("mantissa_bits") == 23
     )
 
 
@@ -509,7 +522,9 @@ def _stat_chain(
         name = e.primitive.name
         if name == until:
             return len(e.invars) == 2 and e.invars[1] is not e.invars[0]
-        return name in ("max", "stop_gradient") or name in _VIEWS
+        return (
+            name in ("max", "stop_gradient") or name in _VIEWS or _is_exact_rounding(e)
+        )
 
     while True:
         i = _only_user(users, v, fits)
@@ -522,7 +537,7 @@ def _stat_chain(
             c = _scalar_literal(jaxpr, other[0]) if len(other) == 1 else None
             if c is None or c != -np.inf:
                 raise _Fail
-        elif name in _VIEWS:
+        elif name in _VIEWS or _is_exact_rounding(eqn):
             labels = _view_labels(eqn, labels)
         elif name != "stop_gradient":
             raise _Fail
@@ -579,6 +594,13 @@ def _softmax(
         raise _Fail
     region.update((i, next(j for j in users[x2] if jaxpr.eqns[j] is other)))
     e = exp.outvars[0]
+    # (Where the weights are a saved residual of a checkpoint, through the
+    # exact rounding it puts on them.)
+    while len(us := users.get(e, [])) == 1 and us[0] >= 0:
+        if not _is_exact_rounding(jaxpr.eqns[us[0]]):
+            break
+        region.add(us[0])
+        e = jaxpr.eqns[us[0]].outvars[0]
     us = _pick(
         users,
         e,

@@ -51,7 +51,13 @@ from mixprec._src import _compat
 from mixprec._src.autocast import jaxprs
 
 
-__all__ = ["REMAT_PRIMITIVES", "backward_eqns", "complete", "recomputed_eqns"]
+__all__ = [
+    "REMAT_PRIMITIVES",
+    "backward_eqns",
+    "complete",
+    "recomputed_attentions",
+    "recomputed_eqns",
+]
 
 #: The primitives of ``jax.checkpoint`` (``jax.remat``) across JAX releases.
 REMAT_PRIMITIVES = frozenset({"remat2", "checkpoint", "remat_opt"})
@@ -232,13 +238,10 @@ def _with(jaxpr: Jaxpr, products: Sequence[tuple[int, JaxprEqn]]) -> Jaxpr:
 
 def recomputed_attentions(
     jaxpr: Jaxpr, known: Sequence[Any] = ()
-) -> tuple[Jaxpr, list[Any], list[JaxprEqn]]:
+) -> tuple[Jaxpr, list[Any]]:
     """The body of a transposed ``jax.checkpoint`` with the ``·v`` products
-    of its proven attentions put back (see :func:`complete`), those
-    attentions (:class:`~.pattern.Match`, each with its backward), and per
-    recomputed attention weights whose attention is not proven the product
-    tried for it (it stands for that attention in notes: its source is the
-    user's ``·v``)."""
+    of its proven attentions put back (see :func:`complete`), and those
+    attentions (:class:`~.pattern.Match`, each with its backward)."""
     products = _candidates(jaxpr)
     from mixprec._src.autocast.fusions.attention import pattern  # (imports this)
 
@@ -246,12 +249,11 @@ def recomputed_attentions(
     proven = [m for m in pattern.find(trial, (), known).values() if m.backward]
     anchors = {id(trial.eqns[m.anchor]) for m in proven}
     kept = [(i, eqn) for i, eqn in products if id(eqn) in anchors]
-    unproven = [eqn for _, eqn in products if id(eqn) not in anchors]
     if len(kept) == len(products):
-        return trial, proven, unproven
+        return trial, proven
     done = _with(jaxpr, kept) if kept else jaxpr
     proven = [m for m in pattern.find(done, (), known).values() if m.backward]
-    return done, proven, unproven
+    return done, proven
 
 
 def complete(jaxpr: Jaxpr, known: Sequence[Any] = ()) -> tuple[Jaxpr, int]:
@@ -262,5 +264,5 @@ def complete(jaxpr: Jaxpr, known: Sequence[Any] = ()) -> tuple[Jaxpr, int]:
     of its first inputs where they are constants)."""
     if not _candidates(jaxpr):
         return jaxpr, 0
-    done, _, _ = recomputed_attentions(jaxpr, known)
+    done, _ = recomputed_attentions(jaxpr, known)
     return done, len(done.outvars) - len(jaxpr.outvars)
