@@ -26,6 +26,7 @@ from test_autocast_attention import (
     T,
     _args,
     _attention_entries,
+    _cuda_text,
     _pin_cuda_attention,
     _qkv,
     _sum_loss,
@@ -61,14 +62,6 @@ def cudnn_present(monkeypatch):
     monkeypatch.setattr(
         _compat.cudnn_attention_module(), "check_cudnn_version", lambda: 91000
     )
-
-
-def _cuda_text(fn, *args):
-    calls = ("__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward")
-    calls += ("__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaScaleBiasSoftmaxBackward")
-    checks = [jax.export.DisabledSafetyCheck.custom_call(c) for c in calls]
-    exp = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)
-    return exp(*args).mlir_module()
 
 
 def _fmha_counts(fn, *args):

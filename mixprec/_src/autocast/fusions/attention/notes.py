@@ -9,7 +9,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 from mixprec._src import _compat
@@ -22,7 +21,7 @@ from mixprec._src.autocast.fusions.attention import (
 from mixprec._src.numerics.record import short_source
 
 
-__all__ = ["traced_attention_notes", "unfused_attention_notes"]
+__all__ = ["unfused_attention_notes"]
 
 
 def _bodies(eqn: Any) -> list[tuple[str, Any]]:
@@ -282,11 +281,3 @@ def _recomputed_backward_notes(
 
 def _open(body: Any) -> Jaxpr:
     return body.jaxpr if isinstance(body, ClosedJaxpr) else body
-
-
-def traced_attention_notes(config: Any, source: Any) -> list[str]:
-    """:func:`unfused_attention_notes` of a traced function (none under a
-    policy that computes in float32: nothing would be fused)."""
-    if np.dtype(config.low_dtype) == np.dtype(np.float32):
-        return []
-    return unfused_attention_notes(source.jaxpr, (), source.consts)
