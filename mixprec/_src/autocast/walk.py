@@ -18,6 +18,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+import jax
 import numpy as np
 from jax.extend.core import Jaxpr, JaxprEqn
 
@@ -353,7 +354,7 @@ class PlanWarning(UserWarning):
 def _trip(n: Any) -> int:
     try:
         return max(int(n), 1)
-    except Exception:  # noqa: BLE001  (a symbolic length)
+    except jax.errors.InconclusiveDimensionOperation:  # a symbolic length
         return 1
 
 

@@ -507,10 +507,11 @@ def plan(
     alone = _switched(loss_fn, keys, names, float32, argnums, loss_scale, mode)
     try:
         ref = alone([float32] * len(keys), *args)
-    except Exception:  # noqa: BLE001  (re-raised by the per-site programs)
+    except (TypeError, jax.errors.UnexpectedTracerError):
         # A body autocast re-traces as its own program (a `jax.jit` called
         # inside the loss) closes over the selector, which such a program
-        # cannot take: one program per measurement instead.
+        # cannot take (JAX: "No constant handler for type: ...Tracer"): one
+        # program per measurement instead.
         alone = _per_site(loss_fn, keys, float32, argnums, loss_scale, mode)
         ref = alone([float32] * len(keys), *args)
     for pos, f in enumerate(found.values()):
