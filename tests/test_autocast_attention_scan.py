@@ -385,3 +385,50 @@ def test_whole_step_that_returns_the_weights_stays_unfused_with_its_note(low):
     want = jax.value_and_grad(loss)(params, x)
     got = jax.jit(mixprec.autocast(jax.value_and_grad(loss), policy))(params, x)
     assert_trees_close(got[1], want[1], dtype=low, grad=True)
+
+
+def _padded_bias_loss():
+    """Scanned layers reading a Hugging Face-style padding bias (0 or the
+    float32 minimum per key) that arrives as an argument."""
+
+    def mix(x, wqkv, wproj, bias):
+        b, t, d = x.shape
+        q, k, v = (a.reshape(b, t, N, H) for a in jnp.split(x @ wqkv, 3, -1))
+        s = jnp.einsum("bthd,bshd->bhts", q, k) / math.sqrt(H) + bias
+        o = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, axis=-1), v)
+        return x + o.reshape(b, t, d) @ wproj
+
+    keep = jnp.arange(T)[None, :] < jnp.array([[T], [T - 5]])
+    bias = jnp.where(keep, 0.0, jnp.finfo(jnp.float32).min)[:, None, None, :]
+
+    def loss(params, x, bias):
+        def layer(x, p):
+            return mix(x, p["qkv"], p["proj"], bias), None
+
+        y, _ = lax.scan(layer, x, params)
+        return jnp.mean((y * keep[..., None].astype(y.dtype)) ** 2)
+
+    wqkv, wproj = jax.vmap(_weights)(jax.random.split(jax.random.key(0), L))
+    return loss, {"qkv": wqkv, "proj": wproj}, _x(), bias
+
+
+@pytest.mark.usefixtures("cudnn")
+@pytest.mark.parametrize("low", LOWS)
+def test_whole_step_with_a_padding_bias_argument_fuses_and_matches_float32(low):
+    loss, params, x, bias = _padded_bias_loss()
+    policy = f"mixed_{low}"
+
+    def step(params, x, bias):
+        value, grads = jax.value_and_grad(loss)(params, x, bias)
+        return value, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+    whole = _fmha_counts(mixprec.autocast(step, policy), params, x, bias)
+    loss_only = _fmha_counts(
+        jax.value_and_grad(mixprec.autocast(loss, policy)), params, x, bias
+    )
+    assert whole == loss_only == (1, 1)
+    want = jax.value_and_grad(loss)(params, x, bias)
+    got = jax.jit(mixprec.autocast(jax.value_and_grad(loss), policy))(params, x, bias)
+    assert {a.dtype for a in jax.tree.leaves(got)} == {jnp.dtype(jnp.float32)}
+    assert_trees_close(got[0], want[0], dtype=low)
+    assert_trees_close(got[1], want[1], dtype=low, grad=True)
