@@ -432,3 +432,28 @@ def test_whole_step_with_a_padding_bias_argument_fuses_and_matches_float32(low):
     assert {a.dtype for a in jax.tree.leaves(got)} == {jnp.dtype(jnp.float32)}
     assert_trees_close(got[0], want[0], dtype=low)
     assert_trees_close(got[1], want[1], dtype=low, grad=True)
+
+
+@pytest.mark.usefixtures("cudnn")
+@pytest.mark.parametrize("low", LOWS)
+def test_whole_step_obeys_a_float32_scope_inside_the_scanned_attention(
+    low, monkeypatch
+):
+    # The ·v product of every layer in float32: the two matmuls no longer
+    # share a 16-bit dtype, so neither pass is fused, in either body.
+    def scoped(q, k, v):
+        t = q.shape[1]
+        s = jnp.einsum("bthd,bshd->bhts", q, k) / math.sqrt(q.shape[-1])
+        s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, jnp.finfo(s.dtype).min)
+        with mixprec.float32_scope():
+            return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, axis=-1), v)
+
+    monkeypatch.setitem(globals(), "causal_attention", scoped)
+    loss, params, x = lax_scan()
+    policy = f"mixed_{low}"
+    assert _fmha_counts(mixprec.autocast(_step(loss), policy), params, x) == (0, 0)
+    want = jax.value_and_grad(loss)(params, x)
+    got = jax.jit(mixprec.autocast(jax.value_and_grad(loss), policy))(params, x)
+    assert {a.dtype for a in jax.tree.leaves(got)} == {jnp.dtype(jnp.float32)}
+    assert_trees_close(got[0], want[0], dtype=low)
+    assert_trees_close(got[1], want[1], dtype=low, grad=True)
