@@ -1086,7 +1086,7 @@ def _decide_eqn(
     # range: it anchors instead of following.
     broadcast_follows = not (region.backward and not has_float32_range(cfg.low_dtype))
     operands = tuple(
-        (float_dtype(x), follows(v, m, out_shape, broadcast_follows))
+        (_seen_dtype(v, x, cfg.low_dtype), follows(v, m, out_shape, broadcast_follows))
         for v, x, m in zip(eqn.invars, invals, marks, strict=True)
     )
     d = decide(
@@ -1129,6 +1129,26 @@ def _decide_eqn(
         )
         return dataclasses.replace(d, reason=f"mul of {what}: {d.reason}")
     return d
+
+
+def _seen_dtype(var: Any, value: Any, low: np.dtype) -> np.dtype | None:
+    """The dtype :func:`decide` takes an operand to be in: the one it
+    arrives in, except a value traced as float32 that arrives in a 16-bit
+    dtype other than ``low``. Only autocast lowers a float32 value, so such
+    a value was lowered under another policy (a plan's site, a
+    ``precision_scope``): it is the float32 value the program wrote, and an
+    op here takes it as one (a plan's float16 site reading an activation of
+    its bfloat16 base runs in float16, not as written in float32).
+    """
+    dtype = float_dtype(value)
+    if (
+        dtype is not None
+        and dtype != low
+        and dtype.itemsize == 2
+        and float_dtype(var.aval) == _F32
+    ):
+        return _F32
+    return dtype
 
 
 @ft.lru_cache(maxsize=4096)
