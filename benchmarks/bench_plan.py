@@ -34,6 +34,22 @@ numerics do. Writes ``benchmarks/results/plan_<backend>.json`` (and ``.md``).
 
     python benchmarks/bench_plan.py              # CPU default (about 6 minutes)
     python benchmarks/bench_plan.py --steps 3    # smoke
+
+The default sizes are the demo's (2 blocks, d_model 128, 4 heads of 32,
+sequence 64): there the per-head products and the output layer are under
+the float8 recipe's ``min_dim`` (128). ``--layers``, ``--d-model``,
+``--heads`` and ``--seq`` give real LM shapes, every product but the output
+layer at or over it (``benchmarks/results/plan_cpu_deep.json``)::
+
+    python benchmarks/bench_plan.py --layers 4 --d-model 256 --heads 2 \
+        --seq 128 --batch 16 --steps 300 --lr 1e-3 --massive 1e6 \
+        --out benchmarks/results/plan_cpu_deep.json
+
+``--plan-only`` measures the plan once, prints each site's effects and the
+warm step time of float32 and all-float8, and trains nothing (a quick look at
+a shape and a ``--massive`` before sizing a run). torchao's rule is trained
+as a plan when it keeps any product in float8; when it skips every product it
+is all-bfloat16's program, and its row repeats that one.
 """
 
 from __future__ import annotations
@@ -64,9 +80,15 @@ from mixprec._src.workloads import data, models, timing  # noqa: E402
 TORCHAO_N, TORCHAO_K = 2048, 1024  # skip a product when N <= 2048 or K <= 1024
 
 
-def make_model(vocab: int, d_model: int, layers: int, seq: int, massive: float):
+def make_model(
+    vocab: int, d_model: int, layers: int, seq: int, massive: float, heads: int = 4
+):
     config = models.LMConfig(
-        vocab_size=vocab, seq_len=seq, d_model=d_model, num_heads=4, num_layers=layers
+        vocab_size=vocab,
+        seq_len=seq,
+        d_model=d_model,
+        num_heads=heads,
+        num_layers=layers,
     )
     gain = jnp.ones(d_model).at[:4].set(massive)
     last = layers - 1
@@ -218,7 +240,7 @@ def run_model(args, text, massive, label):
     """Plan at seed 0's initialisation, then train every variant per seed."""
     vocab = len(text.vocab)
     config, loss_fn, init = make_model(
-        vocab, args.d_model, args.layers, args.seq, massive
+        vocab, args.d_model, args.layers, args.seq, massive, args.heads
     )
     vit = data.iterate_sequences(text.valid, args.batch, args.seq, seed=1000)
     valid = [tuple(jnp.asarray(a) for a in next(vit)) for _ in range(args.eval_batches)]
@@ -231,13 +253,58 @@ def run_model(args, text, massive, label):
     params0, batches0 = start(0)
     plan, plan_seconds, breakdown = timed_plan(loss_fn, params0, batches0[0])
     print(f"[{label}]", plan, breakdown, flush=True)
+    if args.plan_only:
+        for s in plan.sites:
+            m = s.measurements()
+            print(
+                f"[{label}] {'/'.join(map(str, s.key))}: effect float8 "
+                f"{m.get('mixed_float8', {}).get('effect')}, bfloat16 "
+                f"{m.get('mixed_bfloat16', {}).get('effect')} -> {s.policy}",
+                flush=True,
+            )
+        steps = {}
+        for name, policy in (("float32", None), ("mixed_float8", "mixed_float8")):
+            t0 = time.perf_counter()
+            params, _, step, state = train(loss_fn, params0, batches0[:2], policy, 0.0)
+            first = time.perf_counter() - t0
+            steps[name] = step_seconds(step, params, state, batches0)
+            print(
+                f"[{label}] {name}: compile and 2 steps {first:.1f} s, "
+                f"warm step {steps[name] * 1e3:.0f} ms",
+                flush=True,
+            )
+        return {"plan_seconds": plan_seconds, "step_seconds": steps}
 
+    dims = site_dims(loss_fn, params0, batches0[0])
+    f8_share, f8_runs, flops = float8_flops_of(
+        loss_fn, params0, batches0[0], "mixed_float8"
+    )
+    plan_runs = {s.key: planner._site_runs_as(s, s.policy) for s in plan.sites}
+    torchao_runs = {}
+    for k in flops:
+        d = dims.get(k, {})  # (a fused attention's products: no dims: skipped)
+        big = d.get("N", 0) > TORCHAO_N and d.get("K", 0) > TORCHAO_K
+        f8 = big and f8_runs.get(k) == "float8"
+        torchao_runs[k] = "float8" if f8 else "bfloat16"
+    total = sum(flops.values())
+    # torchao's rule as a plan: float8 where the rule keeps a product (and
+    # the recipe can run it), bfloat16 elsewhere. When it keeps none, it is
+    # all-bfloat16's program and is not trained again.
+    torchao_plan = plan
+    for layer, op, index in flops:
+        f8 = torchao_runs[(layer, op, index)] == "float8"
+        torchao_plan = torchao_plan.with_site_policy(
+            layer, op, index, "mixed_float8" if f8 else "mixed_bfloat16"
+        )
+    torchao_trained = any(r == "float8" for r in torchao_runs.values())
     variants = [
         ("float32", None),
         ("mixed_bfloat16", "mixed_bfloat16"),
         ("mixed_float8", "mixed_float8"),
         ("plan", plan),
     ]
+    if torchao_trained:
+        variants.append(("torchao_rule", torchao_plan))
     eval_loss = jax.jit(loss_fn)
     results = {name: {"seeds": []} for name, _ in variants}
     step_time = None
@@ -262,6 +329,10 @@ def run_model(args, text, massive, label):
             if name == "float32" and seed == 0:
                 step_time = step_seconds(step, params, state, batches)
             print(f"[{label}] seed {seed} {name} eval {ev:.4f}", flush=True)
+    if not torchao_trained:
+        results["torchao_rule"] = dict(
+            results["mixed_bfloat16"], same_program_as="mixed_bfloat16"
+        )
     for r in results.values():
         evs = [x["eval_loss"] for x in r["seeds"]]
         r.update(eval_mean=float(np.mean(evs)), eval_min=min(evs), eval_max=max(evs))
@@ -274,19 +345,6 @@ def run_model(args, text, massive, label):
             x["eval_loss"] <= bf16["eval_max"] for x in planned["seeds"]
         ),
     }
-
-    dims = site_dims(loss_fn, params0, batches0[0])
-    f8_share, f8_runs, flops = float8_flops_of(
-        loss_fn, params0, batches0[0], "mixed_float8"
-    )
-    plan_runs = {s.key: planner._site_runs_as(s, s.policy) for s in plan.sites}
-    torchao_runs = {}
-    for k in flops:
-        d = dims.get(k, {})  # (a fused attention's products: no dims: skipped)
-        big = d.get("N", 0) > TORCHAO_N and d.get("K", 0) > TORCHAO_K
-        f8 = big and f8_runs.get(k) == "float8"
-        torchao_runs[k] = "float8" if f8 else "bfloat16"
-    total = sum(flops.values())
 
     def share(runs):
         return sum(f for k, f in flops.items() if runs.get(k) == "float8") / total
@@ -376,11 +434,26 @@ def render(label, r):
             f"| {name} | {per} | {x['eval_mean']:.4f} [{x['eval_min']:.4f}, "
             f"{x['eval_max']:.4f}] | {f8} | {up} |"
         )
-    rows.append(
-        f"| torchao shape rule (not trained: same as bf16 where it skips all) | | | "
-        f"{summary['float8_flop_share']['torchao_rule']:.1%} | "
-        f"{summary['est_h100_matmul_speedup_vs_bf16']['torchao_rule']:.2f}x |"
-    )
+    t = results.get("torchao_rule")
+    if t is None:  # results written before the rule was trained
+        rows.append(
+            f"| torchao shape rule (not trained) | | | "
+            f"{summary['float8_flop_share']['torchao_rule']:.1%} | "
+            f"{summary['est_h100_matmul_speedup_vs_bf16']['torchao_rule']:.2f}x |"
+        )
+    else:
+        same = t.get("same_program_as")
+        per = (
+            f"(= {same}: the rule skips every product)"
+            if same
+            else ", ".join(f"{s['eval_loss']:.4f}" for s in t["seeds"])
+        )
+        rows.append(
+            f"| torchao shape rule | {per} | {t['eval_mean']:.4f} "
+            f"[{t['eval_min']:.4f}, {t['eval_max']:.4f}] | "
+            f"{summary['float8_flop_share']['torchao_rule']:.1%} | "
+            f"{summary['est_h100_matmul_speedup_vs_bf16']['torchao_rule']:.2f}x |"
+        )
     w = summary["eval_vs_bf16_seed_range"]
     rows += [
         "",
@@ -431,6 +504,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--massive", type=float, default=1e5)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument(
@@ -441,13 +515,32 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--eval-batches", type=int, default=8)
     ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--plan-only",
+        action="store_true",
+        help="measure the plan once, print each site's effects, train nothing",
+    )
     args = ap.parse_args(argv)
 
     env_start = timing.environment()
     text = data.load_shakespeare(["hamlet"])
+    path = pathlib.Path(
+        args.out
+        or os.path.join(
+            _ROOT, "benchmarks", "results", f"plan_{jax.default_backend()}.json"
+        )
+    )
     models_out = {"massive": run_model(args, text, args.massive, "massive")}
+    if args.plan_only:
+        return 0
+    write(path, args, models_out, env_start)  # kept if the second model is cut
     if not args.no_unmodified:
         models_out["unmodified"] = run_model(args, text, 1.0, "unmodified")
+        write(path, args, models_out, env_start)
+    return 0
+
+
+def write(path, args, models_out, env_start):
     out = {
         "benchmark": "bench_plan",
         "args": vars(args),
@@ -464,16 +557,9 @@ def main(argv=None) -> int:
     )
     md = "\n".join(md_rows) + "\n"
     print(md)
-    path = pathlib.Path(
-        args.out
-        or os.path.join(
-            _ROOT, "benchmarks", "results", f"plan_{jax.default_backend()}.json"
-        )
-    )
     path.write_text(json.dumps(out, indent=2) + "\n")
     path.with_suffix(".md").write_text(md)
     print(f"wrote {path}")
-    return 0
 
 
 if __name__ == "__main__":
