@@ -1085,8 +1085,12 @@ def _decide_eqn(
     # a sum or a mean) is the gradient signal, often below float16's normal
     # range: it anchors instead of following.
     broadcast_follows = not (region.backward and not has_float32_range(cfg.low_dtype))
+    product = spec is not None and spec.product is not None
     operands = tuple(
-        (_seen_dtype(v, x, cfg.low_dtype), follows(v, m, out_shape, broadcast_follows))
+        (
+            _seen_dtype(v, x, cfg.low_dtype) if product else float_dtype(x),
+            follows(v, m, out_shape, broadcast_follows),
+        )
         for v, x, m in zip(eqn.invars, invals, marks, strict=True)
     )
     d = decide(
@@ -1132,13 +1136,15 @@ def _decide_eqn(
 
 
 def _seen_dtype(var: Any, value: Any, low: np.dtype) -> np.dtype | None:
-    """The dtype :func:`decide` takes an operand to be in: the one it
-    arrives in, except a value traced as float32 that arrives in a 16-bit
+    """The dtype :func:`decide` takes a product's operand to be in: the one
+    it arrives in, except a value traced as float32 that arrives in a 16-bit
     dtype other than ``low``. Only autocast lowers a float32 value, so such
     a value was lowered under another policy (a plan's site, a
-    ``precision_scope``): it is the float32 value the program wrote, and an
-    op here takes it as one (a plan's float16 site reading an activation of
-    its bfloat16 base runs in float16, not as written in float32).
+    ``precision_scope``): it is the float32 value the program wrote, and a
+    product here takes it as one (a plan's float16 site reading an
+    activation of its bfloat16 base runs in float16, not as written in
+    float32). A product's every decision casts each operand to its dtype;
+    other ops keep deciding on what they receive.
     """
     dtype = float_dtype(value)
     if (
