@@ -20,7 +20,7 @@ from helpers import assert_tree_dtypes, assert_trees_close, executed_lines
 
 import mixprec
 import mixprec.optax
-from mixprec._src.plan import Site
+from mixprec._src.plan import Rule, Site
 
 
 LOW = {"bfloat16": "mixed_bfloat16", "float16": "mixed_float16"}
@@ -440,3 +440,170 @@ def test_a_measured_plan_runs_as_planned_in_a_whole_train_step(library, tmp_path
     delta = jax.tree.map(lambda a, b: a - b, got, before)
     ref_delta = jax.tree.map(lambda a, b: a - b, ref, before)
     _assert_float8_close(delta, ref_delta)
+
+
+# ------------------------------------------- a padded, masked attention
+
+_B, _T, _N, _H = 2, 64, 4, 64  # the projections' M = 128: float8 can run them
+
+_CUDNN = (
+    "__cudnn$fmhaSoftmax",
+    "__cudnn$fmhaSoftmaxBackward",
+    "__cudnn$fmhaScaleBiasSoftmax",
+    "__cudnn$fmhaScaleBiasSoftmaxBackward",
+)
+
+
+def _cuda_program(fn, *args):
+    """The dots (operand element types) and cuDNN attention calls the cuda
+    export of ``fn`` executes."""
+    checks = [jax.export.DisabledSafetyCheck.custom_call(c) for c in _CUDNN]
+    exported = jax.export.export(
+        jax.jit(fn), platforms=["cuda"], disabled_checks=checks
+    )(*args)
+    dots, calls = [], []
+    for line in executed_lines(exported.mlir_module()):
+        if "stablehlo.dot_general" in line:
+            ins = line.rsplit(" : ", 1)[1].split(" -> ")[0]
+            dots.append(tuple(re.findall(r"tensor<(?:[\d?]+x)*(\w+)>", ins)))
+        called = re.search(r"custom_call @(__cudnn\$\w+)", line)
+        if called:
+            calls.append(called.group(1))
+    return sorted(dots), calls
+
+
+def _padding_bias(origin):
+    """A padding bias for batch row 1's last 6 keys, ``(1 - mask) *
+    finfo(float32).min`` as Hugging Face builds it: an argument, or built
+    from constants inside the model."""
+    mask = np.ones((_B, _T), np.float32)
+    mask[1, 10:] = 0.0
+    if origin == "argument":
+        bias = jnp.asarray((1 - mask) * np.finfo(np.float32).min)[:, None, None, :]
+        return (lambda arg: arg), bias
+    const = np.asarray(mask)
+
+    def built(arg):
+        del arg
+        m = jnp.asarray(const)
+        return ((1.0 - m) * jnp.finfo(jnp.float32).min)[:, None, None, :]
+
+    return built, jnp.zeros(())
+
+
+def _attention_model(origin, *, scope_values=False):
+    make_bias, bias_arg = _padding_bias(origin)
+    d = _N * _H
+
+    def loss(w, x, bias_arg):
+        with jax.named_scope("qkv"):
+            qkv = x @ w["qkv"]
+        q, k, v = jnp.split(qkv.reshape(_B, _T, 3 * _N, _H), 3, axis=2)
+        with jax.named_scope("attn"):
+            s = jnp.einsum("bthd,bshd->bhts", q, k) / 8.0 + make_bias(bias_arg)
+            p = jax.nn.softmax(s, axis=-1)
+            if scope_values:
+                with mixprec.float32_scope():
+                    o = jnp.einsum("bhts,bshd->bthd", p, v)
+            else:
+                o = jnp.einsum("bhts,bshd->bthd", p, v)
+        with jax.named_scope("out"):
+            out = o.reshape(_B, _T, d) @ w["o"]
+        return jnp.mean(out[0] ** 2) + jnp.mean(out[1, :10] ** 2)
+
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    w = {
+        "qkv": jax.random.normal(k1, (d, 3 * d)) / 16,
+        "o": jax.random.normal(k2, (d, d)) / 16,
+    }
+    return loss, w, jax.random.normal(k3, (_B, _T, d)), bias_arg
+
+
+_QK, _PV = "attn/bthd,bshd->bhts", "attn/bhts,bshd->bthd"
+
+
+@pytest.fixture
+def _cudnn(monkeypatch):
+    from mixprec._src import _compat
+
+    monkeypatch.setattr(
+        _compat.cudnn_attention_module(), "check_cudnn_version", lambda: 91000
+    )
+
+
+def _explained(fn, plan, *args):
+    report = mixprec.explain(fn, *args, policy=plan)
+    fused = [op for op in report.ops if op.primitive == "dot_product_attention"]
+    dots = report.find("dot_general")
+    lowered = sorted(tuple(_F8.get(t) or _HLO[t] for t in op.in_dtypes) for op in dots)
+    return fused, dots, lowered
+
+
+@pytest.mark.usefixtures("_cudnn")
+@pytest.mark.parametrize("origin", ["argument", "constant"])
+@pytest.mark.parametrize("low", ["bfloat16", "float16"])
+def test_a_padded_attention_is_fused_in_the_widest_policy_of_its_sites(low, origin):
+    loss, w, x, bias = _attention_model(origin)
+    fn = jax.grad(loss)
+    ref = fn(w, x, bias)
+    base = LOW[low]
+
+    # Both of its products at the base: one fused kernel each way.
+    plan = mixprec.Plan(base)
+    fused, dots, lowered = _explained(fn, plan, w, x, bias)
+    assert [op.backward for op in fused] == [False, True]
+    assert all(op.dtype == low for op in fused)
+    assert {op.site[0] for op in dots} == {"qkv", "out"}
+    hlo, calls = _cuda_program(mixprec.autocast(fn, plan), w, x, bias)
+    assert hlo == lowered and len(calls) == 2, (hlo, calls)
+    g = jax.jit(mixprec.autocast(fn, plan))(w, x, bias)
+    assert_tree_dtypes(g, jnp.float32)
+    assert_trees_close(g, ref, dtype=low, grad=True)
+
+    # ·v float32 in the plan: the widest is float32, which is not fused; each
+    # product runs at its own site's policy, forward and backward.
+    plan = mixprec.Plan(base, rules=(Rule("attn/bhts.*", (), "float32"),))
+    fused, dots, lowered = _explained(fn, plan, w, x, bias)
+    assert not fused
+    for op in dots:
+        assert op.in_dtypes == ((("float32",) if op.site[0] == _PV else (low,)) * 2)
+    assert sum(op.site[0] == _PV for op in dots) == 3
+    assert sum(op.site[0] == _QK for op in dots) == 3
+    hlo, calls = _cuda_program(mixprec.autocast(fn, plan), w, x, bias)
+    assert hlo == lowered and not calls, (hlo, calls)
+    g = jax.jit(mixprec.autocast(fn, plan))(w, x, bias)
+    assert all(bool(jnp.isfinite(leaf).all()) for leaf in jax.tree.leaves(g))
+    assert_trees_close(g, ref, dtype=low, grad=True)
+
+
+@pytest.mark.usefixtures("_cudnn")
+def test_a_float8_site_of_an_attention_fuses_at_its_wider_partner():
+    # q·kᵀ bfloat16, ·v float8: the widest is bfloat16, one fused kernel in
+    # it (no float8 attention kernel); the projections run float8.
+    loss, w, x, bias = _attention_model("argument")
+    fn = jax.grad(loss)
+    plan = mixprec.Plan("mixed_float8", rules=(Rule(_QK, (), "mixed_bfloat16"),))
+    fused, dots, lowered = _explained(fn, plan, w, x, bias)
+    assert [op.dtype for op in fused] == ["bfloat16", "bfloat16"]
+    assert len(dots) == 2 + 3 and all(op.decision == "float8" for op in dots)
+    hlo, calls = _cuda_program(mixprec.autocast(fn, plan), w, x, bias)
+    assert hlo == lowered and len(calls) == 2, (hlo, calls)
+
+
+@pytest.mark.usefixtures("_cudnn")
+@pytest.mark.parametrize("low", ["bfloat16", "float16"])
+def test_a_float32_scope_in_an_attention_wins_over_the_plan(low):
+    loss, w, x, bias = _attention_model("argument", scope_values=True)
+    fn = jax.grad(loss)
+    # The plan says the ·v product (and everything) runs low; the code's
+    # float32_scope around it wins: not fused, ·v and its gradients float32.
+    plan = mixprec.Plan(LOW[low], rules=(Rule(".*", (), LOW[low]),))
+    fused, dots, lowered = _explained(fn, plan, w, x, bias)
+    assert not fused
+    pv = [op for op in dots if op.site[0] == _PV]
+    assert len(pv) == 3 and all(op.in_dtypes == ("float32",) * 2 for op in pv)
+    assert all(op.in_dtypes == (low,) * 2 for op in dots if op not in pv)
+    hlo, calls = _cuda_program(mixprec.autocast(fn, plan), w, x, bias)
+    assert hlo == lowered and not calls
+    g = jax.jit(mixprec.autocast(fn, plan))(w, x, bias)
+    assert_trees_close(g, fn(w, x, bias), dtype=low, grad=True)
