@@ -575,6 +575,18 @@ def test_a_padded_attention_is_fused_in_the_widest_policy_of_its_sites(low, orig
     assert all(bool(jnp.isfinite(leaf).all()) for leaf in jax.tree.leaves(g))
     assert_trees_close(g, ref, dtype=low, grad=True)
 
+    # ·v in the other 16-bit type: not fused either, each at its own.
+    other = OTHER[low]
+    plan = mixprec.Plan(base, rules=(Rule("attn/bhts.*", (), LOW[other]),))
+    fused, dots, lowered = _explained(fn, plan, w, x, bias)
+    assert not fused
+    for op in dots:
+        assert op.in_dtypes == (((other,) if op.site[0] == _PV else (low,)) * 2)
+    hlo, calls = _cuda_program(mixprec.autocast(fn, plan), w, x, bias)
+    assert hlo == lowered and not calls, (hlo, calls)
+    g = jax.jit(mixprec.autocast(fn, plan))(w, x, bias)
+    assert_trees_close(g, ref, dtype="bfloat16", grad=True)
+
 
 @pytest.mark.usefixtures("_cudnn")
 def test_a_float8_site_of_an_attention_fuses_at_its_wider_partner():
