@@ -1,10 +1,17 @@
 """Plan sites across bodies: a product in a `cond` branch or a called
 function's body is its own site, not the one of the same layer outside it;
-a `scan` body stays one site for all its iterations."""
+a `scan` body stays one site for all its iterations; a backward product
+follows its forward site across `scan`, `jit`, `cond` and `checkpoint`
+boundaries."""
+
+import collections
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
+from helpers import assert_tree_dtypes, assert_trees_close, executed_lines
 
 import mixprec
 from mixprec._src.plan import Plan, Site
@@ -49,9 +56,9 @@ def test_bodies_do_not_share_the_sites_of_their_layer():
 
 def test_a_whole_step_keeps_the_forward_names_and_its_backward_follows():
     """Under `autocast(jax.grad(f))` the forward products keep the names
-    they have in `f`; the backward products in the bodies are traced back
-    to none (their residual crossed the body) and take the widest of their
-    layer, the outside one follows its forward site."""
+    they have in `f`, and each backward product follows its forward site
+    across the body it was transposed in: a `cond` branch (the branch its
+    forward ran), the `scan` body, the `jit` body."""
     w, x, p = _args()
     plan = Plan("mixed_bfloat16", sites=(Site("mlp", "dot_general", 2, "float32"),))
     report = mixprec.explain(jax.grad(_f), w, x, p, policy=plan)
@@ -59,10 +66,17 @@ def test_a_whole_step_keeps_the_forward_names_and_its_backward_follows():
     fwd = [op.site for op in rows if not op.backward]
     assert fwd == [("mlp", "dot_general", i) for i in range(5)]
     bwd = [op for op in rows if op.backward]
-    assert bwd and all(op.site[2] in (None, 0) for op in bwd)
+    # two gradient products per site; one for `x @ w["a"]` (no gradient of x)
+    assert collections.Counter(op.site[2] for op in bwd) == {
+        0: 1,
+        1: 2,
+        2: 2,
+        3: 2,
+        4: 2,
+    }
     for op in bwd:
-        want = "float32" if op.site[2] is None else "bfloat16"
-        assert op.in_dtypes[0] == want, (op.site, op.source)
+        want = "float32" if op.site[2] == 2 else "bfloat16"
+        assert op.in_dtypes == (want, want), (op.site, op.source)
 
 
 def test_a_scan_body_and_a_function_called_twice_are_one_site():
@@ -90,3 +104,222 @@ def test_a_scan_body_and_a_function_called_twice_are_one_site():
     np.testing.assert_allclose(
         plan.sites[1].flops, 4 * 2 * 8 * 16 * 16, rtol=0
     )  # counted over the iterations
+
+
+# ------------------------------------------- backward products across bodies
+
+L, D, B = 2, 128, 128  # float8 needs every dimension >= 128
+
+
+def _block(h, w):
+    with jax.named_scope("mlp"):
+        u = jnp.tanh(h @ w["up"])
+        return h + u @ w["down"]
+
+
+def _scan_loss(w, x, y):
+    h, _ = jax.lax.scan(lambda h, wl: (_block(h, wl), None), x, w)
+    return jnp.mean((h - y) ** 2)
+
+
+def _remat_scan_loss(w, x, y):
+    body = jax.checkpoint(lambda h, wl: (_block(h, wl), None))
+    h, _ = jax.lax.scan(body, x, w)
+    return jnp.mean((h - y) ** 2)
+
+
+_jit_block = jax.jit(_block)
+
+
+def _jit_loss(w, x, y):
+    h = x
+    for i in range(L):
+        h = _jit_block(h, {k: v[i] for k, v in w.items()})
+    return jnp.mean((h - y) ** 2)
+
+
+def _stack():
+    k = jax.random.split(jax.random.key(1), 4)
+    w = {
+        "up": jax.random.normal(k[0], (L, D, D)) / D**0.5,
+        "down": jax.random.normal(k[1], (L, D, D)) / D**0.5,
+    }
+    return w, jax.random.normal(k[2], (B, D)), jax.random.normal(k[3], (B, D))
+
+
+def _two_sites(low, layer="mlp", base="mixed_bfloat16"):
+    return Plan(
+        base,
+        sites=(
+            Site(layer, "dot_general", 0, "float32"),
+            Site(layer, "dot_general", 1, low),
+        ),
+    )
+
+
+def _assert_backward_follows(fn, args, plan):
+    """Every backward product of ``fn`` has the site of a forward product of
+    its source line and runs as that one does (the same decision; float32
+    operands exactly where the forward has them), and each forward site has
+    its gradient products. Returns ``(site index, decision)`` of the forward
+    products."""
+    rows = mixprec.explain(fn, *args, policy=plan).find("dot_general")
+    fwd = {op.site: op for op in rows if not op.backward}
+    bwd = [op for op in rows if op.backward]
+    for op in bwd:
+        f = fwd.get(op.site)
+        assert f is not None and f.source == op.source, (op.source, op.site)
+        assert op.decision == f.decision, (op.site, op.decision, f.decision)
+        f32 = f.in_dtypes == ("float32", "float32")
+        assert (op.in_dtypes == ("float32", "float32")) == f32, (op.site, op.in_dtypes)
+    # two gradient products (one where no gradient is needed), and a
+    # checkpoint's recomputation of the forward where it is needed
+    count = collections.Counter(op.site for op in bwd)
+    assert all(count[site] in (1, 2, 3) for site in fwd), count
+    return [(op.site[2], op.decision) for op in fwd.values()]
+
+
+_DECISION = {"mixed_float8": "float8", "mixed_bfloat16": "low", "mixed_float16": "low"}
+
+
+@pytest.mark.parametrize("low", ["mixed_float8", "mixed_bfloat16"])
+@pytest.mark.parametrize(
+    "loss", [_scan_loss, _remat_scan_loss, _jit_loss], ids=["scan", "remat_scan", "jit"]
+)
+def test_a_whole_step_runs_each_backward_product_at_its_forward_sites_policy(loss, low):
+    """A whole step over scanned layers (also checkpointed), or calling a
+    jitted layer: the residuals cross the body (the forward scan's stacked
+    outputs are the transposed scan's xs), and each gradient product still
+    follows its forward site: the float32 site's two in float32, the other
+    site's two at its policy (not the widest of the layer's sites)."""
+    w, x, y = _stack()
+    fwd = _assert_backward_follows(jax.grad(loss), (w, x, y), _two_sites(low))
+    # (the jitted layer's second call: two more sites, at the base policy)
+    more = [(2, "low"), (3, "low")] if loss is _jit_loss else []
+    assert fwd == [(0, "float32"), (1, _DECISION[low]), *more]
+
+
+def test_flax_nn_scan_backward_products_follow_their_forward_sites():
+    nn = pytest.importorskip("flax.linen")
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, h, _):
+            init = nn.initializers.normal(D**-0.5)
+            up = self.param("up", init, (D, D))
+            down = self.param("down", init, (D, D))
+            return h + jnp.tanh(h @ up) @ down, None
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            blocks = nn.scan(
+                Block,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                length=L,
+            )
+            return blocks(name="blocks")(x, None)[0]
+
+    _, x, y = _stack()
+    net = Net()
+    params = net.init(jax.random.key(0), x)
+
+    def loss(p, x, y):
+        return jnp.mean((net.apply(p, x) - y) ** 2)
+
+    plan = _two_sites("mixed_float8", layer="Net/blocks")
+    fwd = _assert_backward_follows(jax.grad(loss), (params, x, y), plan)
+    assert fwd == [(0, "float32"), (1, "float8")]
+
+
+@pytest.mark.parametrize("low", ["mixed_bfloat16", "mixed_float16"])
+@pytest.mark.parametrize("loss", [_scan_loss, _jit_loss], ids=["scan", "jit"])
+def test_a_whole_step_with_two_policies_per_layer_matches_float32(loss, low):
+    """Values and gradients of the whole step against float32, at the low
+    dtype's tolerance (float16 with a loss scale), all float32 outside."""
+    w, x, y = _stack()
+    plan = _two_sites(low, base=low)
+    if low == "mixed_float16":
+
+        def step(w, x, y):
+            vg = mixprec.value_and_grad(loss)
+            value, grads, finite = vg(
+                w, x, y, loss_scale=mixprec.StaticLossScale(2.0**10)
+            )
+            return value, grads, finite
+
+    else:
+
+        def step(w, x, y):
+            value, grads = jax.value_and_grad(loss)(w, x, y)
+            return value, grads, jnp.bool_(True)
+
+    _assert_backward_follows(step, (w, x, y), plan)
+    value, grads, finite = jax.jit(mixprec.autocast(step, plan))(w, x, y)
+    ref, ref_grads = jax.jit(jax.value_and_grad(loss))(w, x, y)
+    assert bool(finite)
+    assert_tree_dtypes((value, grads), jnp.float32)
+    dtype = "bfloat16" if low == "mixed_bfloat16" else "float16"
+    assert_trees_close(value, ref, dtype=dtype)
+    assert_trees_close(grads, ref_grads, dtype=dtype, grad=True)
+
+
+@pytest.mark.parametrize("loss", [_scan_loss, _jit_loss], ids=["scan", "jit"])
+def test_the_cuda_export_runs_float8_gemms_where_the_plan_says_in_the_backward(loss):
+    """Exported for cuda, the whole step's float8 GEMMs are the float8 site's
+    forward and its two gradient products (per body: the scan's bodies are
+    one loop each), every float32 site's GEMM has float32 operands."""
+    w, x, y = _stack()
+    plan = _two_sites("mixed_float8")
+    step = jax.jit(mixprec.autocast(jax.grad(loss), plan))
+    text = jax.export.export(step, platforms=["cuda"])(w, x, y).mlir_module()
+    dots = []
+    for line in executed_lines(text):
+        if "stablehlo.dot_general" in line:
+            ins = line.rsplit(" : ", 1)[1].split(" -> ")[0]
+            dots.append(tuple(re.findall(r"tensor<(?:[\d?]+x)*(\w+)>", ins)))
+    f8 = [d for d in dots if all(t.startswith("f8") for t in d)]
+    f32 = [d for d in dots if d == ("f32", "f32")]
+    bf16 = [d for d in dots if d == ("bf16", "bf16")]
+    # up (float32) and down (float8): each its forward and two gradients (the
+    # scan's bodies are one loop each). Called jitted: the first call's up
+    # has no input gradient (x is not differentiated), the second call's two
+    # sites run at the base policy.
+    if loss is _scan_loss:
+        assert (len(f8), len(f32), len(dots)) == (3, 3, 6), dots
+    else:
+        assert (len(f8), len(f32), len(bf16), len(dots)) == (3, 2, 6, 11), dots
+
+
+def test_a_jitted_layer_called_from_three_layers_follows_each_calls_sites():
+    """JAX traces the second and third calls of one `jax.jit` layer to one
+    forward and one transposed body: each visit is named in its own layer,
+    and each call's backward products follow that call's sites."""
+    layer = jax.jit(lambda h, w: h + jnp.tanh(h @ w["up"]) @ w["down"])
+
+    def loss(ws, x, y):
+        h = x
+        for name, w in zip("abc", ws, strict=True):
+            with jax.named_scope(name):
+                h = layer(h, w)
+        return jnp.mean((h - y) ** 2)
+
+    w, x, y = _stack()
+    ws = [{k: v[0] for k, v in w.items()} for _ in range(3)]
+    plan = Plan(
+        "mixed_bfloat16",
+        sites=(
+            Site("b", "dot_general", 0, "float32"),
+            Site("c", "dot_general", 1, "float32"),
+        ),
+    )
+    fwd = _assert_backward_follows(jax.grad(loss), (ws, x, y), plan)
+    assert fwd == [
+        (0, "low"),
+        (1, "low"),
+        (0, "float32"),
+        (1, "low"),
+        (0, "low"),
+        (1, "float32"),
+    ]

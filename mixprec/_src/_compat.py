@@ -657,6 +657,14 @@ def eqn_rematerialized(source_info: Any) -> bool:
     return scope_type(_REMATERIALIZED) in stack
 
 
+def without_rematerialized(path: str) -> str:
+    """``path`` (a layer path) without the scope a checkpoint's recomputed
+    forward is in (see :func:`eqn_rematerialized`)."""
+    if _REMATERIALIZED not in path:
+        return path
+    return "/".join(p for p in path.split("/") if p != _REMATERIALIZED)
+
+
 def as_rematerialized(source_info: Any) -> Any:
     """``source_info`` as that of an equation of a checkpoint's recomputed
     forward (see :func:`eqn_rematerialized`)."""
@@ -677,6 +685,12 @@ def scan_layout(params: dict[str, Any]) -> tuple[int, int]:
         return int(params["num_consts"]), int(params["num_carry"])
     consts, carry, _ = params["ft_in"].unpack()
     return len(consts), len(carry)
+
+
+def while_layout(params: dict[str, Any]) -> tuple[int, int]:
+    """``(cond_nconsts, body_nconsts)`` of a ``while`` equation's operands
+    (then the carry; the same params in JAX 0.10 to 0.12)."""
+    return int(params["cond_nconsts"]), int(params["body_nconsts"])
 
 
 def scan_params(params: dict[str, Any], *, extra_consts: int) -> dict[str, Any]:

@@ -12,10 +12,24 @@ region (:meth:`~mixprec._src.autocast.interpreter.Walk.for_eqn`).
 Backward products follow their forward site. JAX's transpose of
 ``dot(x, w)`` is ``dot(g, w)`` and ``dot(x, g)``: each keeps a forward
 operand as its residual, so a backward product is traced to the forward
-product that read the same variable (through reshapes, transposes and
-converts). One that cannot be traced back (its residual crossed a ``jit``
-or ``scan`` boundary) takes the widest policy of the sites of its layer and
-primitive.
+products nearest to it that read the same value. A value is followed
+through reshapes, transposes and converts, and across the boundary of a
+higher-order equation, position by position: a body's invars are its
+equation's operands and the equation's results are its body's outvars
+(``jit``, ``checkpoint``, ``custom_jvp``/``custom_vjp`` calls and
+``shard_map`` one to one; ``scan``: consts, carry, xs and carry, ys; a
+``cond``'s branches: the operands after the index, a path keeping to one
+branch per index, the one its transpose runs; ``while``: each body's
+consts, then the carry). So the residual a forward ``scan`` stacks as ys
+and its transpose reads as xs is followed from one body into the other.
+Of the forward sites at the same distance, those of the backward
+product's own layer (it keeps the name stack of the forward product it
+transposes) are taken, else all; a product several are traced to runs
+the widest of their policies (``tanh(x @ w) @ w``: both read ``w``). One
+not traced so (a checkpoint's recomputed value, which is a new variable)
+takes the forward sites of its layer and primitive traced by the same user
+source lines, and only where none is found is it ``(layer, op, None)``:
+the widest policy of the sites of its layer and primitive.
 
 Examples:
     >>> import jax, jax.numpy as jnp
@@ -29,19 +43,31 @@ Examples:
     (('mlp', 'dot_general', 0),)
     (('mlp', 'dot_general', 0), ('mlp', 'dot_general', 1))
     (('mlp', 'dot_general', 1),)
+
+    The backward products of a scanned layer, in the transposed ``scan``'s
+    body, follow the forward product in the forward ``scan``'s body:
+
+    >>> def g(x, ws):
+    ...     with jax.named_scope("mlp"):
+    ...         h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)
+    ...     return jnp.sum(h)
+    >>> closed = jax.make_jaxpr(jax.grad(g, 1))(jnp.ones((2, 2)), jnp.ones((3, 2, 2)))
+    >>> sorted(set(name_sites(closed.jaxpr).values()))
+    [(('mlp', 'dot_general', 0),)]
 """
 
 from __future__ import annotations
 
 import functools as ft
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
-from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Var
 
 from mixprec._src import _compat
 from mixprec._src.autocast import ops
+from mixprec._src.numerics.record import layer_path
 
 
 __all__ = ["SiteKey", "layer_of", "name_sites", "program_sites"]
@@ -59,12 +85,11 @@ _THROUGH = frozenset(
 
 def layer_of(eqn: JaxprEqn, scope: str = "") -> str:
     """The layer path of ``eqn`` (after ``scope``, the name stack of the
-    higher-order equations around its jaxpr)."""
-    from mixprec._src.numerics.record import layer_path
-
+    higher-order equations around its jaxpr; a checkpoint's recomputed
+    forward is in the layer it recomputes)."""
     stack = _compat.eqn_name_stack(eqn.source_info)
     full = f"{scope}/{stack}" if scope and stack else scope or stack
-    return layer_path(full)
+    return _compat.without_rematerialized(layer_path(full))
 
 
 def _is_product(eqn: JaxprEqn) -> bool:
@@ -73,10 +98,28 @@ def _is_product(eqn: JaxprEqn) -> bool:
 
 
 def _is_backward(eqn: JaxprEqn) -> bool:
-    return _compat.name_stack_transformed_by(eqn.source_info.name_stack, "transpose")
+    """Whether ``eqn`` is of a backward pass (a checkpoint's recomputed
+    forward is: it repeats a forward site, it is not one)."""
+    info = eqn.source_info
+    return _compat.name_stack_transformed_by(
+        info.name_stack, "transpose"
+    ) or _compat.eqn_rematerialized(info)
 
 
 _cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class _Sites(dict):  # dict[int, tuple[SiteKey, ...]]
+    """The names of one program's products by equation ``id`` (a body's
+    first visit among them), and ``visits``: per body (by ``id``) reached
+    again from another layer, the names of each later visit (and of the
+    bodies in it)."""
+
+    __slots__ = ("visits",)
+
+    def __init__(self, visits: dict[int, list[_Sites]] | None = None) -> None:
+        super().__init__()
+        self.visits: dict[int, list[_Sites]] = {} if visits is None else visits
 
 
 def name_sites(
@@ -93,22 +136,27 @@ def name_sites(
     The index counts a layer's products in program order across bodies: a
     product in a ``cond`` branch or a called function's body is not the
     same site as one of the same layer outside it. A body reached twice
-    (a ``scan`` body, for every iteration; one function called twice from
-    the same layer) keeps the names of its first visit. ``outer``: the
-    names the walk has for the jaxpr around this body; used when they name
-    this body's products in its layers (else the body is named on its own,
-    from index 0).
+    from the same layer (a ``scan`` body, for every iteration; one function
+    called twice there) keeps the names of its first visit; one reached
+    from another layer (a ``jax.jit`` function called in two named scopes)
+    is named again there. ``outer``: the names the walk has for the jaxpr
+    around this body; used when they (or those of a later visit) name this
+    body's products in its layers (else the body is named on its own, from
+    index 0).
     """
     if outer:
         hit = _inherited(jaxpr, scope, outer)
         if hit is not None:
             return hit
+        for visit in getattr(outer, "visits", {}).get(id(jaxpr), ()):
+            if _covered(jaxpr, scope, visit):
+                return visit
     per_jaxpr = _cache.setdefault(jaxpr, {})
     hit = per_jaxpr.get((scope, backward))
     if hit is not None:
         return hit
-    out: dict[int, tuple[SiteKey, ...]] = {}
-    _name(jaxpr, scope, backward, out, {})
+    out = _Sites()
+    _name(jaxpr, scope, backward, _Names(), out)
     per_jaxpr[(scope, backward)] = out
     return out
 
@@ -116,80 +164,318 @@ def name_sites(
 def _inherited(
     jaxpr: Jaxpr, scope: str, outer: dict[int, tuple[SiteKey, ...]]
 ) -> dict[int, tuple[SiteKey, ...]] | None:
-    """``outer`` if it names every product of ``jaxpr`` in the layer it has
-    under ``scope``."""
+    """``outer`` if it names every product of ``jaxpr`` and of the bodies in
+    it in the layer it has under ``scope``."""
+    return outer if _covered(jaxpr, scope, outer) else None
+
+
+def _covered(
+    jaxpr: Jaxpr, scope: str, outer: dict[int, tuple[SiteKey, ...]]
+) -> bool | None:
+    """Whether ``outer`` names the products of ``jaxpr`` and of its bodies
+    in their layers under ``scope``: ``None`` where one is not, ``False``
+    where there are none. (Not where the names of a body reached from two
+    layers are those of its first visit.)"""
     found = False
     for eqn in jaxpr.eqns:
         if not _is_product(eqn):
+            subs = _sub_jaxprs(eqn)
+            if subs:
+                stack = _compat.eqn_name_stack(eqn.source_info)
+                inner = f"{scope}/{stack}" if scope and stack else scope or stack
+                for sub in subs:
+                    hit = _covered(sub, inner, outer)
+                    if hit is None:
+                        return None
+                    found = found or hit
             continue
         keys = outer.get(id(eqn))
         if not keys or any(k[0] != layer_of(eqn, scope) for k in keys):
             return None
         found = True
-    return outer if found else None
+    return found
 
 
-def _name(
-    jaxpr: Jaxpr,
-    scope: str,
-    backward: bool,
-    out: dict[int, tuple[SiteKey, ...]],
-    counts: dict[tuple[str, str], int],
-) -> None:
-    read_by: dict[Any, list[SiteKey]] = {}
-    producer: dict[Any, JaxprEqn] = {}
+# A path's branches taken: per ``cond`` index (the variable it was computed
+# from), the branch. A path that would take two branches of one index is
+# not followed: the forward ``cond`` ran the branch its transpose runs.
+_Taken = tuple[tuple[Any, int], ...]
+# A binding across a body's boundary, and the branch it enters (or None).
+_Link = tuple[Any, "tuple[Any, int] | None"]
+
+
+class _Names:
+    """What naming one program gathers, across all of its bodies: the names
+    so far, each layer's count, each variable's producer, the variables a
+    body's variable is bound to across its equation, and per variable the
+    forward sites that read it or a value it was reshaped, transposed,
+    converted or passed into a body from (with the hops between and the
+    branches taken)."""
+
+    __slots__ = (
+        "counts",
+        "forward",
+        "frames",
+        "links",
+        "producer",
+        "read_by",
+        "visited",
+    )
+
+    def __init__(self) -> None:
+        self.counts: dict[tuple[str, str], int] = {}
+        # per body, the layers (and passes) it was named from
+        self.visited: dict[int, set[tuple[str, bool]]] = {}
+        # per layer and op, its forward products (for those not traced back)
+        self.forward: dict[tuple[str, str], list[tuple[SiteKey, JaxprEqn]]] = {}
+        self.frames: dict[int, tuple[tuple[str, int], ...]] = {}
+        self.producer: dict[Any, JaxprEqn] = {}
+        self.links: dict[Any, list[_Link]] = {}
+        self.read_by: dict[Any, list[tuple[SiteKey, int, _Taken]]] = {}
+
+
+def _name(jaxpr: Jaxpr, scope: str, backward: bool, names: _Names, out: _Sites) -> None:
+    producer = names.producer
     for eqn in jaxpr.eqns:
         for v in eqn.outvars:
             producer[v] = eqn
         if not _is_product(eqn):
-            subs = list(_sub_jaxprs(eqn))
-            if subs:
+            bodies = _bindings(eqn)
+            if bodies:
+                branch = eqn.primitive.name == "cond"
+                index = _root(eqn.invars[0], names) if branch else None
+                for i, (sub, ins, outs) in enumerate(bodies):
+                    tag = (index, i) if branch else None
+                    _link(names.links, sub.invars, ins, tag)
+                    _link(names.links, outs, sub.outvars, tag)
                 stack = _compat.eqn_name_stack(eqn.source_info)
                 inner = f"{scope}/{stack}" if scope and stack else scope or stack
-                for sub in subs:
-                    if not any(id(e) in out for e in sub.eqns if _is_product(e)):
-                        _name(sub, inner, backward or _is_backward(eqn), out, counts)
+                flag = backward or _is_backward(eqn)
+                where = (_compat.without_rematerialized(layer_path(inner)), flag)
+                for sub, _, _ in bodies:
+                    seen = names.visited.setdefault(id(sub), set())
+                    if where in seen:
+                        continue
+                    into = out
+                    if seen:
+                        into = _Sites(out.visits)
+                        out.visits.setdefault(id(sub), []).append(into)
+                    seen.add(where)
+                    _name(sub, inner, flag, names, into)
             continue
         layer = layer_of(eqn, scope)
         op = eqn.primitive.name
         if not (backward or _is_backward(eqn)):
-            index = counts.get((layer, op), 0)
-            counts[(layer, op)] = index + 1
+            index = names.counts.get((layer, op), 0)
+            names.counts[(layer, op)] = index + 1
             key: SiteKey = (layer, op, index)
             out[id(eqn)] = (key,)
+            names.forward.setdefault((layer, op), []).append((key, eqn))
             for v in eqn.invars:
-                if type(v) is not Literal:
-                    read_by.setdefault(v, []).append(key)
+                for u, hops, taken in _upstream(v, names):
+                    names.read_by.setdefault(u, []).append((key, hops, taken))
             continue
         found: list[SiteKey] = []
         for v in eqn.invars:
-            for u in _upstream(v, producer):
-                for k in read_by.get(u, ()):
-                    if k[1] == op and k not in found:
-                        found.append(k)
+            # The forward sites nearest to this operand (fewest hops from a
+            # variable both reached, on paths through the same branches),
+            # those of its own layer first: a backward product keeps the
+            # name stack of the forward one it transposes.
+            best: tuple[int, int] | None = None
+            near: list[SiteKey] = []
+            for u, hops, taken in _upstream(v, names):
+                for k, more, theirs in names.read_by.get(u, ()):
+                    if k[1] != op:
+                        continue
+                    rank = (int(k[0] != layer), hops + more)
+                    if best is not None and rank > best:
+                        continue
+                    if theirs and taken and _joined(taken, theirs) is None:
+                        continue
+                    if best is None or rank < best:
+                        best, near = rank, []
+                    if k not in near:
+                        near.append(k)
+            found += [k for k in near if k not in found]
+        if not found:
+            found = _same_lines(eqn, names.forward.get((layer, op), ()), names)
         out[id(eqn)] = tuple(found) if found else ((layer, op, None),)
 
 
-def _upstream(v: Any, producer: dict[Any, JaxprEqn]) -> Iterator[Any]:
-    """``v`` and the variables it was reshaped, transposed or converted from."""
-    for _ in range(8):
-        if type(v) is Literal:
-            return
-        yield v
-        eqn = producer.get(v)
-        if eqn is None or eqn.primitive.name not in _THROUGH or not eqn.invars:
-            return
-        v = eqn.invars[0]
+def _same_lines(
+    eqn: JaxprEqn, forward: Sequence[tuple[SiteKey, JaxprEqn]], names: _Names
+) -> list[SiteKey]:
+    """The sites among ``forward`` traced by the same user lines as ``eqn``
+    (a backward product keeps the source of the forward one it transposes;
+    a checkpoint's recomputed forward, that of the one it recomputes)."""
+    if not forward:
+        return []
+    lines = _frames(eqn, names)
+    if not lines:
+        return []
+    return [k for k, e in forward if _frames(e, names) == lines]
 
 
-def _sub_jaxprs(eqn: JaxprEqn) -> Iterator[Jaxpr]:
+def _frames(eqn: JaxprEqn, names: _Names) -> tuple[tuple[str, int], ...]:
+    hit = names.frames.get(id(eqn))
+    if hit is None:
+        hit = names.frames[id(eqn)] = _compat.eqn_frame_lines(eqn.source_info)
+    return hit
+
+
+def _link(
+    links: dict[Any, list[_Link]],
+    inner: Sequence[Any],
+    outer: Sequence[Any],
+    tag: tuple[Any, int] | None,
+) -> None:
+    """Binds each of ``inner`` to the variable at its position in ``outer``
+    (a body's invars to its equation's operands, an equation's outvars to
+    its body's outvars); ``tag``: the branch the binding enters."""
+    for a, b in zip(inner, outer, strict=False):
+        if type(a) is Var and type(b) is Var:
+            links.setdefault(a, []).append((b, tag))
+
+
+def _joined(taken: _Taken, more: _Taken) -> _Taken | None:
+    """The branches of both paths, or ``None`` where they differ on one."""
+    out = taken
+    for index, branch in more:
+        for i, b in out:
+            if i is index:
+                if b != branch:
+                    return None
+                break
+        else:
+            out = (*out, (index, branch))
+    return out
+
+
+# Hops followed from a variable back to where it came from.
+_MAX_HOPS = 16
+
+
+def _root(v: Any, names: _Names) -> Any:
+    """Where ``v`` came from by one way only (a ``cond`` index passed into a
+    body, or converted)."""
+    for _ in range(_MAX_HOPS):
+        eqn = names.producer.get(v)
+        if eqn is not None and eqn.primitive.name in _THROUGH and eqn.invars:
+            up = eqn.invars[0]
+        else:
+            bound = names.links.get(v, ())
+            if len(bound) != 1:
+                return v
+            up = bound[0][0]
+        if type(up) is not Var:
+            return v
+        v = up
+    return v
+
+
+def _upstream(v: Any, names: _Names) -> Iterator[tuple[Any, int, _Taken]]:
+    """``v`` and the variables it was reshaped, transposed or converted from,
+    or bound to across a body's boundary (a body's invar: its equation's
+    operand; an equation's outvar: its body's outvar), each with the hops
+    from ``v`` and the branches taken, nearest first."""
+    if type(v) is not Var:
+        return
+    start: tuple[Any, _Taken] = (v, ())
+    seen: set[tuple[Any, _Taken]] = {start}
+    level = [start]
+    for hops in range(_MAX_HOPS + 1):
+        ahead: list[tuple[Any, _Taken]] = []
+        for u, taken in level:
+            yield u, hops, taken
+            eqn = names.producer.get(u)
+            if eqn is not None and eqn.primitive.name in _THROUGH and eqn.invars:
+                ahead.append((eqn.invars[0], taken))
+            for b, tag in names.links.get(u, ()):
+                joined = taken if tag is None else _joined(taken, (tag,))
+                if joined is not None:
+                    ahead.append((b, joined))
+        level = []
+        for state in ahead:
+            if type(state[0]) is Var and state not in seen:
+                seen.add(state)
+                level.append(state)
+        if not level:
+            return
+
+
+# Higher-order primitives whose bodies' invars are their operands and whose
+# outvars are their bodies' outvars, position by position (a ``scan``'s
+# body reads consts, carry and one slice of each xs, and returns the carry
+# and one slice of each ys, in its operands' and results' order).
+_POSITIONAL = frozenset(
+    [
+        "jit",
+        "pjit",
+        "closed_call",
+        "core_call",
+        "remat2",
+        "checkpoint",
+        "custom_jvp_call",
+        "custom_vjp_call",
+        "scan",
+        "shard_map",
+    ]
+)
+
+
+def _bindings(eqn: JaxprEqn) -> list[tuple[Jaxpr, Sequence[Any], Sequence[Any]]]:
+    """Per body in ``eqn``'s parameters: the body, the operands its invars
+    are bound to and the outvars of ``eqn`` its outvars are bound to (empty
+    where they are not bound by position)."""
+    name = eqn.primitive.name
+    subs = _sub_jaxprs(eqn)
+    if not subs:
+        return []
+    if name == "cond":
+        # operands: the branch index, then every branch's invars
+        return [(sub, eqn.invars[1:], eqn.outvars) for sub in subs]
+    if name == "while":
+        cn, bn = _compat.while_layout(eqn.params)
+        consts, carry = eqn.invars[: cn + bn], eqn.invars[cn + bn :]
+        found = []
+        for sub in subs:
+            if sub is _open(eqn.params.get("cond_jaxpr")):
+                found.append((sub, [*consts[:cn], *carry], ()))
+            elif sub is _open(eqn.params.get("body_jaxpr")):
+                found.append((sub, [*consts[cn:], *carry], eqn.outvars))
+            else:
+                found.append((sub, (), ()))
+        return found
+    if name not in _POSITIONAL:
+        return [(sub, (), ()) for sub in subs]
+    return [
+        (
+            sub,
+            eqn.invars if len(sub.invars) == len(eqn.invars) else (),
+            eqn.outvars if len(sub.outvars) == len(eqn.outvars) else (),
+        )
+        for sub in subs
+    ]
+
+
+def _open(x: Any) -> Any:
+    return x.jaxpr if isinstance(x, ClosedJaxpr) else x
+
+
+def _sub_jaxprs(eqn: JaxprEqn) -> list[Jaxpr]:
+    found: list[Jaxpr] = []
     for value in eqn.params.values():
-        items = value if isinstance(value, tuple | list) else (value,)
-        for x in items:
-            if isinstance(x, ClosedJaxpr):
-                yield x.jaxpr
-            elif isinstance(x, Jaxpr):
-                yield x
+        if isinstance(value, ClosedJaxpr):
+            found.append(value.jaxpr)
+        elif isinstance(value, Jaxpr):
+            found.append(value)
+        elif isinstance(value, tuple | list):
+            for x in value:
+                if isinstance(x, ClosedJaxpr):
+                    found.append(x.jaxpr)
+                elif isinstance(x, Jaxpr):
+                    found.append(x)
+    return found
 
 
 @ft.lru_cache(maxsize=256)
