@@ -229,3 +229,126 @@ def test_one_program_measures_an_attention_as_the_per_site_programs_do():
         plan = Plan(get_policy("float32"), sites=sites)
         fn = planner._value_and_grad(autocast(_attn_loss, plan), (0, 1, 2), None)
         _assert_float32_equal(alone(choice, q, k, v), fn(q, k, v), str(choice))
+
+
+def _alone_diagnosed(fn, args, key, candidate):
+    """``diagnose``'s measurements of ``key`` with that site alone at
+    ``candidate`` and the rest of the program in float32."""
+    plan = Plan(get_policy("float32"), sites=(Site(*key, policy=candidate),))
+    report = mixprec.diagnose(fn, *args, policy=plan, refine=False)
+    found = [op for op in report.ops if op.site == key and not op.backward]
+    assert found, (key, candidate)
+    return {
+        "op_error": max(op.local_rel_error for op in found),
+        **{
+            name: sum(int(getattr(op, name)) for op in found)
+            for name in ("overflow", "underflow", "nonfinite", "flushed", "quantized")
+        },
+    }
+
+
+@pytest.mark.parametrize(
+    "candidates",
+    [("mixed_float8", "mixed_bfloat16", "float32"), ("mixed_float16", "float32")],
+)
+def test_the_reference_run_measures_each_op_as_diagnose_does(candidates):
+    """The one program's float32 run hands each site's float32 operands and
+    every candidate's result to the host, which measures them with
+    diagnose's own arithmetic: the numbers are diagnose's for that site alone
+    at the candidate (the rest in float32), a `scan` body's summed over its
+    iterations. The reader's float32 operand holds 1e5: it flushes values in
+    tensorwise float8 and overflows float16."""
+    args = _scan_args()
+    keys = _keys(_scan_loss, *args)
+    names = list(candidates)
+    alone = planner._switched(_scan_loss, keys, names, "float32", 0, None, _MODE)
+    *ref, ops = alone(["float32"] * len(keys), *args, record=True)
+    assert set(ops) == {(k, c) for k in keys for c in names if c != "float32"}
+    for (key, c), got in ops.items():
+        want = _alone_diagnosed(_scan_loss, args, key, c)
+        assert set(got) == set(want)
+        what = f"{key} {c}"
+        np.testing.assert_allclose(
+            got["op_error"], want["op_error"], rtol=1e-5, err_msg=what
+        )
+        for name in ("overflow", "underflow", "nonfinite", "flushed", "quantized"):
+            assert got[name] == want[name], (what, name, got, want)
+    reader = ("reader", "dot_general", 0)
+    if "mixed_float8" in names:
+        assert ops[reader, "mixed_float8"]["flushed"] > 0
+        assert ops[reader, "mixed_float8"]["quantized"] > 0
+        # three iterations of a 128x256 by 256x256 product
+        stack = ops[("stack", "dot_general", 0), "mixed_float8"]
+        assert stack["quantized"] == 3 * (128 * 256 + 256 * 256)
+        assert ops[reader, "mixed_bfloat16"]["quantized"] == 0
+    else:
+        assert ops[reader, "mixed_float16"]["overflow"] > 0
+        assert ops[reader, "mixed_float16"]["op_error"] == np.inf
+        assert ops[("head", "dot_general", 0), "mixed_float16"]["overflow"] == 0
+    # a run that does not record hands nothing over and gives the same numbers
+    loss, grads = alone(["float32"] * len(keys), *args)
+    _assert_float32_equal((loss, grads), tuple(ref), "recording run")
+
+
+def test_plan_runs_no_diagnose_on_the_one_program(monkeypatch):
+    """`mixprec.plan` takes the op measurements from the measuring program:
+    no `diagnose` run; the per-site programs (a loss that calls a `jax.jit`
+    inside) still take them from `diagnose`, the same numbers."""
+    from mixprec._src.numerics import diagnose as diagnose_mod
+
+    calls = []
+    real = diagnose_mod.diagnose
+
+    def counted(*a, **k):
+        calls.append(k.get("policy"))
+        return real(*a, **k)
+
+    monkeypatch.setattr(diagnose_mod, "diagnose", counted)
+    args = _scan_args()
+    names = ("mixed_float8", "mixed_bfloat16", "float32")
+    plan = mixprec.plan(_scan_loss, *args, candidates=names)
+    assert calls == []
+    by_key = {s.key: s.measurements() for s in plan.sites}
+    reader = by_key[("reader", "dot_general", 0)]
+    assert reader["mixed_float8"]["flushed"] > 0
+    assert reader["mixed_float8"]["op_error"] > reader["mixed_bfloat16"]["op_error"] > 0
+
+    inner = jax.jit(lambda h, w: h @ w)
+
+    def jitted(w, x, y):
+        with jax.named_scope("inner"):
+            h = jnp.tanh(inner(x, w["a"]))
+        return _scan_loss(w, h, y)
+
+    fallback = mixprec.plan(jitted, *args, candidates=names)
+    assert len(calls) == 2  # one per candidate that does not run in float32
+    got = {s.key: s.measurements() for s in fallback.sites}
+    assert got[("inner", "dot_general", 0)]["mixed_float8"]["quantized"] > 0
+
+
+def _remat_loss(w, x, y):
+    @jax.checkpoint
+    def layer(h):
+        with jax.named_scope("inner"):
+            return jnp.tanh(h @ w["a"])
+
+    with jax.named_scope("head"):
+        return jnp.mean((layer(x) @ w["c"] - y) ** 2)
+
+
+def test_a_checkpointed_site_is_measured_once():
+    """`jax.checkpoint` runs its forward again in the backward pass, handing
+    the same operands and results over twice: they count once, as
+    diagnose counts them."""
+    w, x, y = _scan_args()
+    args = ({"a": w["a"], "c": w["c"]}, x, y)
+    keys = _keys(_remat_loss, *args)
+    assert keys[0] == ("head/inner", "dot_general", 0)
+    names = ["mixed_float8", "float32"]
+    alone = planner._switched(_remat_loss, keys, names, "float32", 0, None, _MODE)
+    *_, ops = alone(["float32"] * len(keys), *args, record=True)
+    for key in keys:
+        got = ops[key, "mixed_float8"]
+        want = _alone_diagnosed(_remat_loss, args, key, "mixed_float8")
+        assert got["quantized"] == want["quantized"] == 128 * 256 + 256 * 256
+        np.testing.assert_allclose(got["op_error"], want["op_error"], rtol=1e-5)

@@ -560,6 +560,63 @@ def _rel_error(a: np.ndarray, b: np.ndarray) -> float:
     return num / den
 
 
+#: The measurements of one call of an op that keep their largest value over
+#: the op's calls (the others add up).
+LARGEST = frozenset({"rel_error", "local_rel_error"})
+
+
+def compare_output(
+    a64: np.ndarray,
+    b64: np.ndarray,
+    l64: np.ndarray,
+    *,
+    inherited_over: bool = False,
+    inherited_under: bool = False,
+) -> dict[str, Any]:
+    """What one call of an op measures on one of its outputs (float64 arrays
+    of one shape): ``a64`` the op as written on float32 inputs, ``b64`` the
+    value the autocast stream has, ``l64`` the op's own run on the float32
+    inputs cast to the stream's dtypes (``local``).
+
+    ``elements``; ``overflow``: finite float32 values that ``l64`` has as
+    inf/nan (left out when that cast of the inputs overflowed:
+    ``inherited_over``, counted upstream); ``underflow``: non-zero float32
+    values that ``l64`` has as zero (likewise ``inherited_under``);
+    ``nonfinite``: finite float32 values that ``b64`` has as inf/nan;
+    ``rel_error`` and ``local_rel_error``: :func:`_rel_error` of ``b64`` and
+    ``l64``. Over the op's calls, the names in :data:`LARGEST` keep their
+    largest value and the others add up (:func:`add_call`). ``diagnose``
+    and ``mixprec.plan`` both measure with it.
+
+    Examples:
+        >>> a = np.array([1.0, 1e5, 1e-9])
+        >>> m = compare_output(a, a, np.array([1.0, np.inf, 0.0]))
+        >>> m["overflow"], m["underflow"], m["nonfinite"], m["local_rel_error"]
+        (1, 1, 0, inf)
+    """
+    fa = np.isfinite(a64)
+    found: dict[str, Any] = {"elements": int(a64.size)}
+    if not inherited_over:
+        found["overflow"] = int(np.count_nonzero(fa & ~np.isfinite(l64)))
+    if not inherited_under:
+        found["underflow"] = int(np.count_nonzero(fa & (a64 != 0) & (l64 == 0)))
+    found["nonfinite"] = int(np.count_nonzero(fa & ~np.isfinite(b64)))
+    found["rel_error"] = _rel_error(a64, b64)
+    found["local_rel_error"] = _rel_error(a64, l64)
+    return found
+
+
+def add_call(into: dict[str, Any], call: Mapping[str, Any]) -> None:
+    """Adds one call's measurements (:func:`compare_output`,
+    :func:`_count_float8`) to ``into``: the names in :data:`LARGEST` keep
+    the largest, the others add up."""
+    for name, x in call.items():
+        if name in LARGEST:
+            into[name] = max(into.get(name, 0.0), x)
+        else:
+            into[name] = into.get(name, 0) + x
+
+
 class _Comparer:
     """The observer of a diagnose walk.
 
@@ -796,19 +853,23 @@ class _Comparer:
             if a64.shape != b64.shape or a64.shape != l64.shape:
                 continue
             fa = np.isfinite(a64)
-            add("elements", a64.size)
-            if not inherited_over:
-                add("overflow", int(np.count_nonzero(fa & ~np.isfinite(l64))))
-            if not inherited_under:
-                add("underflow", int(np.count_nonzero(fa & (a64 != 0) & (l64 == 0))))
-            bad = int(np.count_nonzero(fa & ~np.isfinite(b64)))
-            add("nonfinite", bad)
+            call = compare_output(
+                a64,
+                b64,
+                l64,
+                inherited_over=inherited_over,
+                inherited_under=inherited_under,
+            )
+            for name, x in call.items():
+                if name in LARGEST:
+                    keep(name, x, max)
+                else:
+                    add(name, x)
+            bad = call["nonfinite"]
             if bad and self.first_nonfinite is None:
                 self.first_nonfinite = site.index
             if not fa.all() and inputs_finite32 and self.first_f32_nonfinite is None:
                 self.first_f32_nonfinite = site.index
-            keep("rel_error", _rel_error(a64, b64), max)
-            keep("local_rel_error", _rel_error(a64, l64), max)
             mags = np.abs(a64[fa & (a64 != 0)])
             if mags.size:
                 keep("max_abs", float(mags.max()), max)

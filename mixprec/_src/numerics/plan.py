@@ -5,16 +5,22 @@ For each forward matmul-like site of ``loss_fn`` (a ``dot_general``, a
 convolution, a grouped matmul: the ops whose op-table entry has a
 ``Product``) and each candidate policy, it measures:
 
-* the op's own output error against float32, and its overflow and
-  underflow counts (float8: the operand values flushed to zero), exactly as
-  :func:`mixprec.diagnose` measures them (one diagnose run per candidate,
-  every site at that candidate, each op compared on float32 inputs);
 * the effect on the loss and on the gradients when that site *alone* runs
   at the candidate and everything else in float32 (its backward products
   follow it): ``loss_error = |L - L32| / |L32|``, ``grad_error`` the largest
   ``‖g - g32‖ / ‖g32‖`` over the gradient leaves. One site at a time isolates
   what each costs. All these runs are one compiled program in which each
-  site's candidate is an argument (:class:`_Switch`).
+  site's candidate is an argument (:class:`_Switch`);
+* the op's own output error against float32 (``op_error``), its overflow,
+  underflow and non-finite counts and, in float8, the operand values flushed
+  to zero (``flushed`` of ``quantized``), with :func:`mixprec.diagnose`'s
+  arithmetic (``numerics/diagnose.py``'s ``compare_output`` and
+  ``_count_float8``) on the site's float32 operands: the same program's
+  float32 run hands each site's operands and every candidate's result to
+  the host. These are diagnose's numbers for that site alone at the
+  candidate. (A loss that calls a ``jax.jit`` inside is measured with one
+  program per measurement, and these numbers come from one ``diagnose`` run
+  per candidate, every op at it.)
 
 The effects of several sites add up, so the chosen sites are then run
 together (the rest in float32); while that is over ``tolerance``, the site
@@ -33,6 +39,8 @@ reference) always passes.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -178,6 +186,23 @@ class _Found:
     measured: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Call:
+    """One traced call of a measured site's product whose operands are the
+    float32 reference stream's: what a recording run hands to the host
+    (:meth:`_Switch.op_measurements`), in this order: the float operands
+    (if ``float8``), then each computed result's outputs."""
+
+    index: int  # the site's, into the switch's keys
+    eqn: Any
+    #: per measured candidate (an index into the switch's order): its
+    #: decision and which computed result it reads
+    branches: tuple[tuple[int, Any, int], ...]
+    base: int  # the computed result the float32 candidate reads
+    floats: tuple[int, ...] | None  # the float operands' positions (float8)
+    n_out: int
+
+
 class _Switch:
     """Runs each measured site under every candidate and selects one at run
     time, by ``sel[i]`` (an index into ``order``) for the ``i``-th site: one
@@ -190,11 +215,28 @@ class _Switch:
     a plan that gives it that candidate (``Walk.for_eqn``'s site config), so
     the selected branch computes what the per-site program computes: the
     same casts, float8 recipe and scaling; its gradient flows through the
-    selection to that branch alone. The rest of the program runs at the
-    plan's base, float32, where no op takes a product's float32 result as
-    its epilogue (that needs a 16-bit add), so the other branches' results
-    are only dropped.
+    selection to that branch alone. Candidates whose decisions for a product
+    are equal (the same :class:`~mixprec._src.autocast.request.ProductRequest`,
+    which is all the product's rule reads: a float8 policy's product that the
+    recipe keeps in bfloat16, and the bfloat16 policy) share one branch. The
+    rest of the program runs at the plan's base, float32, where no op takes a
+    product's float32 result as its epilogue (that needs a 16-bit add), so
+    the other branches' results are only dropped.
+
+    Each forward product hands its operands and every candidate's result to
+    the host (``jax.debug.callback``), which keeps them only while a run
+    records: the reference run, every site at float32, so that each site's
+    operands are the float32 stream's. :meth:`op_measurements` then measures
+    them as ``diagnose`` measures an op. (The other runs hand them over too
+    and the host drops them: a ``lax.cond`` on a flag would spare that, but
+    JAX drops an effect inside a ``cond`` inside a ``scan`` when it
+    differentiates: measured, JAX 0.10.2.)
     """
+
+    #: Whether candidates that decide a product alike share its branch
+    #: (``benchmarks/bench_plan_cost.py`` turns it off to measure what that
+    #: saves; the results are the same either way).
+    shares = True
 
     def __init__(
         self, keys: Sequence[tuple[str, str, int]], order: Sequence[Policy], base: int
@@ -206,6 +248,10 @@ class _Switch:
         self.order = tuple(order)
         self.base = base
         self.sel: Any = None  # the int32 selector, while a program is traced
+        self.recording = False  # whether the run under way keeps what it hands over
+        self.calls: list[tuple[_Call, list[np.ndarray]]] = []  # what it kept
+        # The branches of the fused ops being run around this equation.
+        self._outer: list[int] = []
 
     def _indices(self, walk: Any, eqn: Any) -> list[int]:
         from mixprec._src.autocast import ops
@@ -242,6 +288,8 @@ class _Switch:
         found = self._indices(walk, eqn)
         if not found:
             return None
+        from mixprec._src.autocast import ops
+        from mixprec._src.autocast.decide import decide_eqn
         from mixprec._src.autocast.interpreter import _eqn_context, run_eqn
         from mixprec._src.autocast.walk import _site_config
 
@@ -250,25 +298,173 @@ class _Switch:
         sel = self.sel[found[0]]
         for i in found[1:]:
             sel = jnp.maximum(sel, self.sel[i])
+        spec = ops.spec_for(eqn.primitive.name)
+        product = spec is not None and ops.FUSION not in spec.flags
+        walks = [
+            walk
+            if policy == walk.config.policy
+            else walk._copy(config=_site_config(walk.config, policy))
+            for policy in self.order
+        ]
+        # A product's candidates that decide it alike run it alike: each
+        # runs the first such candidate's branch (`same`).
+        decisions: list[Any] = [None] * len(walks)
+        same = list(range(len(walks)))
+        if product:
+            for b, w in enumerate(walks):
+                decisions[b] = decide_eqn(w, eqn, spec, invals, inmarks)
+                if self.shares:
+                    same[b] = next(
+                        a for a in range(b + 1) if _alike(decisions[a], decisions[b])
+                    )
+        runs = sorted(set(same))
         wide = walk.facts.wide
-        results = []
-        for b, policy in enumerate(self.order):
-            w = walk
-            if policy != walk.config.policy:
-                w = walk._copy(config=_site_config(walk.config, policy))
-            on = sel == b
+        results = {}
+        for u in runs:
+            on = functools.reduce(
+                jnp.logical_or, [sel == b for b in range(len(walks)) if same[b] == u]
+            )
             gated = [_gate(x, on) if _is_float(x) else x for x in invals]
-            with _eqn_context(eqn):
-                results.append(run_eqn(w, eqn, gated, inmarks))
+            self._outer.append(u)
+            try:
+                with _eqn_context(eqn):
+                    results[u] = run_eqn(walks[u], eqn, gated, inmarks)
+            finally:
+                self._outer.pop()
             for v in eqn.outvars:
                 wide.pop(v, None)
-        base_outs, base_marks = results[self.base]
+        base_outs, base_marks = results[same[self.base]]
+        pick = sel
+        if len(runs) < len(walks):
+            table = np.asarray([runs.index(u) for u in same], np.int32)
+            pick = jnp.asarray(table)[sel]
         outs = []
         for j, ref in enumerate(base_outs):
             dtype = jnp.result_type(ref)
-            branches = [jax.lax.convert_element_type(r[0][j], dtype) for r in results]
-            outs.append(jax.lax.select_n(sel, *branches))
+            branches = [
+                jax.lax.convert_element_type(results[u][0][j], dtype) for u in runs
+            ]
+            outs.append(jax.lax.select_n(pick, *branches))
+        if (
+            product
+            and len(found) == 1
+            and not walk.backward
+            and all(o == self.base for o in self._outer)
+        ):
+            self._record(found[0], eqn, invals, decisions, same, runs, results)
         return outs, base_marks
+
+    def _record(
+        self,
+        index: int,
+        eqn: Any,
+        invals: Sequence[Any],
+        decisions: Sequence[Any],
+        same: Sequence[int],
+        runs: Sequence[int],
+        results: Mapping[int, tuple[list[Any], list[int]]],
+    ) -> None:
+        """Hands this call's operands and results to the host, which keeps
+        them while a run records (``self.recording``)."""
+        from mixprec._src.autocast.decide import Precision
+
+        measured = [
+            b
+            for b, policy in enumerate(self.order)
+            if b != self.base and runs_as(policy) != "float32"
+        ]
+        if not measured:
+            return
+        float8 = any(decisions[b].precision is Precision.FLOAT8 for b in measured)
+        floats = tuple(i for i, x in enumerate(invals) if _is_float(x))
+        payload = [invals[i] for i in floats] if float8 else []
+        for u in runs:
+            payload += results[u][0]
+        call = _Call(
+            index=index,
+            eqn=eqn,
+            branches=tuple((b, decisions[b], runs.index(same[b])) for b in measured),
+            base=runs.index(same[self.base]),
+            floats=floats if float8 else None,
+            n_out=len(results[same[self.base]][0]),
+        )
+
+        def keep(*arrays: Any) -> None:
+            if self.recording:
+                self.calls.append((call, [np.array(a) for a in arrays]))
+
+        jax.debug.callback(keep, *[jax.lax.stop_gradient(x) for x in payload])
+
+    def op_measurements(self) -> dict[tuple[int, int], dict[str, Any]]:
+        """What a recording run handed over, measured as ``diagnose``
+        measures an op (:func:`~mixprec._src.numerics.diagnose.compare_output`
+        on each output, :func:`~mixprec._src.numerics.diagnose._count_float8`
+        on a float8 product's operands), per (site, candidate): ``op_error``
+        (the largest ``local_rel_error`` over the calls), ``overflow``,
+        ``underflow``, ``nonfinite``, ``flushed`` and ``quantized`` (summed
+        over the calls).
+
+        The site's operands are the float32 stream's, so the stream at the
+        site is its own run: ``nonfinite`` counts what ``overflow`` counts,
+        and nothing is inherited from upstream. A call whose operands and
+        results repeat bitwise another call of the same traced product is
+        that call recomputed (``jax.checkpoint`` runs its forward again in
+        the backward pass) and counts once."""
+        from mixprec._src.autocast.decide import Precision
+        from mixprec._src.numerics.diagnose import (
+            _count_float8,
+            add_call,
+            compare_output,
+        )
+
+        out: dict[tuple[int, int], dict[str, Any]] = {}
+        seen: set[tuple[int, bytes]] = set()
+        for call, arrays in self.calls:
+            digest = hashlib.blake2b(digest_size=16)
+            for x in arrays:
+                digest.update(x.tobytes())
+            tag = (id(call), digest.digest())
+            if tag in seen:
+                continue
+            seen.add(tag)
+            operands: list[Any] = [None] * len(call.eqn.invars)
+            if call.floats is not None:
+                for i, x in zip(call.floats, arrays, strict=False):
+                    operands[i] = x
+                arrays = arrays[len(call.floats) :]
+            n = call.n_out
+            results = [arrays[u * n : (u + 1) * n] for u in range(len(arrays) // n)]
+            for b, decision, u in call.branches:
+                m = out.setdefault(
+                    (call.index, b),
+                    {"op_error": 0.0, "overflow": 0, "underflow": 0, "nonfinite": 0},
+                )
+                found: dict[str, Any] = {}
+                for a, loc in zip(results[call.base], results[u], strict=True):
+                    if not _is_float(a):
+                        continue
+                    a64, l64 = np.asarray(a, np.float64), np.asarray(loc, np.float64)
+                    add_call(found, compare_output(a64, l64, l64))
+                if decision.precision is Precision.FLOAT8:
+                    found.update(_count_float8(call.eqn, decision, operands))
+                m["op_error"] = max(m["op_error"], found.get("local_rel_error", 0.0))
+                for name in (
+                    "overflow",
+                    "underflow",
+                    "nonfinite",
+                    "flushed",
+                    "quantized",
+                ):
+                    m[name] = m.get(name, 0) + int(found.get(name, 0))
+        return out
+
+
+def _alike(a: Any, b: Any) -> bool:
+    """Whether two decisions run a product alike: its rule reads only the
+    request (``rules/products.py``)."""
+    return a.precision == b.precision and (
+        a is b or (a.request is not None and a.request == b.request)
+    )
 
 
 def _is_float(x: Any) -> bool:
@@ -302,18 +498,21 @@ def _per_site(
     argnums: Any,
     loss_scale: float | None,
     mode: str,
-) -> Callable[..., tuple[np.ndarray, list[np.ndarray]]]:
-    """What :func:`_switched` computes, one compiled program per choice."""
+) -> Callable[..., Any]:
+    """What :func:`_switched` computes, one compiled program per choice
+    (``record`` adds ``None``: these programs measure no op; ``diagnose``
+    does)."""
     from mixprec._src.autocast.api import autocast
 
-    def run(choice: Sequence[str], *args: Any) -> tuple[np.ndarray, list[np.ndarray]]:
+    def run(choice: Sequence[str], *args: Any, record: bool = False) -> Any:
         sites = tuple(
             Site(*k, policy=c)
             for k, c in zip(keys, choice, strict=True)
             if runs_as(c) != "float32"
         )
         fn = autocast(loss_fn, Plan(get_policy(float32), sites=sites), mode=mode)
-        return _value_and_grad(fn, argnums, loss_scale)(*args)
+        out = _value_and_grad(fn, argnums, loss_scale)(*args)
+        return (*out, None) if record else out
 
     return run
 
@@ -342,10 +541,13 @@ def _switched(
     argnums: Any,
     loss_scale: float | None,
     mode: str,
-) -> Callable[..., tuple[np.ndarray, list[np.ndarray]]]:
+) -> Callable[..., Any]:
     """The loss and gradients of ``loss_fn`` with site ``keys[i]`` at
     ``names[choice[i]]``, compiled once for every ``choice``: ``run(choice,
-    *args)``."""
+    *args)``. ``run(choice, *args, record=True)`` (every site at float32)
+    adds each site's op measurements under each candidate that does not run
+    in float32, ``{(key, candidate): {"op_error": ..., ...}}``
+    (:meth:`_Switch.op_measurements`)."""
     from mixprec._src.autocast.api import autocast
 
     order = sorted(
@@ -368,15 +570,59 @@ def _switched(
 
     step = jax.jit(measure)
 
-    def run(choice: Sequence[str], *args: Any) -> tuple[np.ndarray, list[np.ndarray]]:
+    def run(choice: Sequence[str], *args: Any, record: bool = False) -> Any:
         sel = np.asarray([order.index(c) for c in choice], np.int32)
-        loss, grads = step(sel, *args)
-        return (
-            np.asarray(loss, np.float64) / scale,
-            [g / scale for g in _leaves(grads)],
-        )
+        switch.calls.clear()
+        switch.recording = record
+        try:
+            loss, grads = step(sel, *args)
+            out = (
+                np.asarray(loss, np.float64) / scale,
+                [g / scale for g in _leaves(grads)],
+            )
+            jax.effects_barrier()
+        finally:
+            switch.recording = False
+        if not record:
+            return out
+        found = switch.op_measurements()
+        switch.calls.clear()
+        ops = {(keys[i], order[b]): m for (i, b), m in found.items()}
+        return (*out, ops)
 
     return run
+
+
+def _diagnosed(
+    loss_fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    names: Sequence[str],
+    found: Mapping[tuple[str, str, int], _Found],
+    mode: str,
+) -> dict[tuple[tuple[str, str, int], str], dict[str, Any]]:
+    """The op measurements :func:`_switched` records, from one ``diagnose``
+    run per candidate instead (every op at the candidate, each compared on
+    float32 inputs): for the per-site programs, which record none."""
+    from mixprec._src.numerics.diagnose import diagnose
+
+    ops: dict[tuple[tuple[str, str, int], str], dict[str, Any]] = {}
+    for c in names:
+        if runs_as(c) == "float32":
+            continue
+        diag = diagnose(
+            loss_fn, *args, policy=Plan(get_policy(c)), mode=mode, refine=False
+        )
+        for op in diag.ops:
+            if op.site is None or op.backward or op.site[2] is None:
+                continue
+            key = (op.site[0], op.site[1], int(op.site[2]))
+            if key not in found:
+                continue
+            m = ops.setdefault((key, c), {})
+            m["op_error"] = max(m.get("op_error", 0.0), op.local_rel_error)
+            for name in ("overflow", "underflow", "nonfinite", "flushed", "quantized"):
+                m[name] = m.get(name, 0) + int(getattr(op, name, 0) or 0)
+    return ops
 
 
 def _json_number(x: float) -> float | None:
@@ -445,7 +691,6 @@ def plan(
         >>> [(s.layer, s.policy) for s in p.sites]
         [('hidden', 'mixed_float8'), ('out', 'mixed_float8')]
     """
-    from mixprec._src.numerics.diagnose import diagnose
     from mixprec._src.numerics.explain import explain
 
     if not isinstance(tolerance, int | float) or not tolerance > 0:
@@ -470,8 +715,7 @@ def plan(
     else:
         base_policy = get_policy(base)
 
-    # The sites, what each candidate runs them as, and the op's own
-    # measurements (diagnose, every site at the candidate).
+    # The sites, and what each candidate runs them as.
     found: dict[tuple[str, str, int], _Found] = {}
     for c in names:
         empty = Plan(get_policy(c))
@@ -485,35 +729,38 @@ def plan(
                 f.flops += op.flops
             runs = {"float8": "float8", "low": str(op.dtype)}.get(op.decision)
             f.runs[c] = runs if runs in _RUNS else "float32"
-        if runs_as(c) == "float32":
-            continue
-        diag = diagnose(loss_fn, *args, policy=empty, mode=mode, refine=False)
-        for op in diag.ops:
-            if op.site is None or op.backward or op.site[2] is None:
-                continue
-            key = (op.site[0], op.site[1], int(op.site[2]))
-            if key not in found:
-                continue
-            m = found[key].measured.setdefault(c, {})
-            m["op_error"] = max(m.get("op_error", 0.0), op.local_rel_error)
-            for name in ("overflow", "underflow", "nonfinite", "flushed", "quantized"):
-                m[name] = m.get(name, 0) + int(getattr(op, name, 0) or 0)
 
     # The effect of each site alone at each candidate: one program, compiled
     # once, in which each site's candidate is an argument (`_Switch`); the
-    # reference is the same program with every site at float32.
+    # reference is the same program with every site at float32, and it also
+    # hands each site's operands and candidates' results to the host, where
+    # they are measured as `diagnose` measures an op.
     float32 = next(c for c in names if runs_as(c) == "float32")
     keys = list(found)
     alone = _switched(loss_fn, keys, names, float32, argnums, loss_scale, mode)
     try:
-        ref = alone([float32] * len(keys), *args)
+        loss32, grads32, ops = alone([float32] * len(keys), *args, record=True)
     except (TypeError, jax.errors.UnexpectedTracerError):
         # A body autocast re-traces as its own program (a `jax.jit` called
         # inside the loss) closes over the selector, which such a program
         # cannot take (JAX: "No constant handler for type: ...Tracer"): one
         # program per measurement instead.
         alone = _per_site(loss_fn, keys, float32, argnums, loss_scale, mode)
-        ref = alone([float32] * len(keys), *args)
+        loss32, grads32, ops = alone([float32] * len(keys), *args, record=True)
+    ref = (loss32, grads32)
+    missing = [
+        c
+        for c in names
+        if runs_as(c) != "float32" and any((key, c) not in (ops or {}) for key in found)
+    ]
+    if missing:
+        # The per-site programs record nothing; and a product the one
+        # program never reaches with float32 operands (one that only runs
+        # inside a fused op's 16-bit branch) is measured by `diagnose`.
+        diagnosed = _diagnosed(loss_fn, args, missing, found, mode)
+        ops = {**diagnosed, **(ops or {})}
+    for (key, c), m in ops.items():
+        found[key].measured.setdefault(c, {}).update(m)
     for pos, f in enumerate(found.values()):
         for c in names:
             m = f.measured.setdefault(c, {})
