@@ -619,3 +619,116 @@ def test_a_float32_scope_in_an_attention_wins_over_the_plan(low):
     assert hlo == lowered and not calls
     g = jax.jit(mixprec.autocast(fn, plan))(w, x, bias)
     assert_trees_close(g, fn(w, x, bias), dtype=low, grad=True)
+
+
+# ------------------------------------------- the compact optimizer state
+
+
+def _cast_loss(w, x, y):
+    # The model reads the compact state's bfloat16 weights as float32.
+    with jax.named_scope("l0"):
+        h = jnp.tanh(x @ w["a"].astype(jnp.float32))
+    with jax.named_scope("l1"):
+        h = jnp.tanh(h @ w["b"].astype(jnp.float32))
+    with jax.named_scope("l2"):
+        out = h @ w["c"].astype(jnp.float32)
+    return jnp.mean((out - y) ** 2)
+
+
+def _three_site_plan():
+    plan = mixprec.Plan(
+        "mixed_float8",
+        sites=(
+            Site("l1", "dot_general", 0, "mixed_float16"),
+            Site("l2", "dot_general", 0, "float32"),
+        ),
+    )
+    return plan, {"l0": "float8", "l1": "low", "l2": "float32"}
+
+
+def _cast_chain():
+    k = jax.random.split(jax.random.key(0), 5)
+    w = {
+        n: jax.random.normal(kk, (_D, _D)) / 11
+        for n, kk in zip("abc", k[:3], strict=True)
+    }
+    return w, jax.random.normal(k[3], (128, _D)), jax.random.normal(k[4], (128, _D))
+
+
+@pytest.mark.parametrize("policy", ["plan", "mixed_float8"])
+def test_a_whole_step_from_a_loss_scale_gives_float8_its_e5m2_gradients(policy):
+    w, x, y = _cast_chain()
+    opt = mixprec.optax.loss_scaled(optax.sgd(0.1))
+    state = opt.init(w)
+
+    def train_step(w, state, x, y):
+        vg = mixprec.value_and_grad(_cast_loss)
+        loss, grads, _ = vg(w, x, y, loss_scale=state)
+        updates, state = opt.update(grads, state, w)
+        return optax.apply_updates(w, updates), state, loss
+
+    if policy == "plan":
+        policy, want = _three_site_plan()
+    else:
+        want = {"l0": "float8", "l1": "float8", "l2": "float8"}
+    report = mixprec.explain(train_step, w, state, x, y, policy=policy)
+    ops = report.find("dot_general")
+    assert len(ops) == 3 + 5
+    for op in ops:
+        assert op.decision == want[op.site[0]], op
+        if op.decision == "float8" and op.backward:
+            # The backward pass starts from the loss scale times 1.0, a
+            # gradient all the same: its float8 operand is e5m2 (it was
+            # e4m3, taken for no gradient).
+            assert op.in_dtypes[0] == "float8_e5m2", op
+    got = jax.jit(mixprec.autocast(train_step, policy))(w, state, x, y)
+    ref = jax.jit(train_step)(w, state, x, y)
+    assert_tree_dtypes(got, jax.tree.map(lambda a: a.dtype, ref))
+    assert int(got[1].num_skipped) == 0
+    assert_trees_close(got[2], ref[2], dtype="bfloat16")
+    delta = jax.tree.map(lambda a, b: a - b, got[0], w)
+    _assert_float8_close(delta, jax.tree.map(lambda a, b: a - b, ref[0], w))
+
+
+def test_the_compact_state_trains_under_a_plan():
+    # With the compact state's bfloat16 weights, autocast wraps the loss (a
+    # whole step would hand the weights back in the output dtype).
+    w32, x, y = _cast_chain()
+    compact = mixprec.optax.compact_state(
+        optax.sgd(10.0, momentum=0.9),  # steps far over a bfloat16 ulp
+        weights="bfloat16-sr",
+        moments="int8",
+        policy="p=bf16,c=bf16,o=f32",
+    )
+    opt = mixprec.optax.loss_scaled(compact)
+    w16 = mixprec.optax.compact_params(w32, "bfloat16-sr")
+    state = opt.init(w32)
+    plan, want = _three_site_plan()
+
+    def make_step(loss_fn):
+        def train_step(w, state, x, y):
+            vg = mixprec.value_and_grad(loss_fn)
+            loss, grads, _ = vg(w, x, y, loss_scale=state)
+            updates, state = opt.update(grads, state, w)
+            return optax.apply_updates(w, updates), state, loss
+
+        return train_step
+
+    ops = mixprec.explain(jax.grad(_cast_loss), w16, x, y, policy=plan).find(
+        "dot_general"
+    )
+    assert [want[op.site[0]] == op.decision for op in ops] == [True] * 8
+    step = jax.jit(make_step(mixprec.autocast(_cast_loss, plan)))
+    ref_step = jax.jit(make_step(_cast_loss))
+    got, ref = step(w16, state, x, y), ref_step(w16, state, x, y)
+    assert_tree_dtypes(got, jax.tree.map(lambda a: a.dtype, ref))
+    assert got[0]["a"].dtype == jnp.bfloat16
+    assert int(got[1].num_skipped) == 0
+    assert_trees_close(got[2], ref[2], dtype="bfloat16")
+    delta = jax.tree.map(lambda a, b: a.astype(jnp.float32) - b, got[0], w32)
+    ref_delta = jax.tree.map(lambda a, b: a.astype(jnp.float32) - b, ref[0], w32)
+    _assert_float8_close(delta, ref_delta)
+    # A second step reads the first's state (its int8 momentum) as it is.
+    again, ref_again = step(*got[:2], x, y), ref_step(*ref[:2], x, y)
+    assert_tree_dtypes(again, jax.tree.map(lambda a: a.dtype, ref_again))
+    assert_trees_close(again[2], ref_again[2], dtype="bfloat16")

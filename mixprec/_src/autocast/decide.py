@@ -521,6 +521,22 @@ def literal_mark() -> int:
     return CONST | FOLLOWS
 
 
+def _scaled_seed(eqn: JaxprEqn, marks: Sequence[int]) -> bool:
+    """Whether ``eqn`` (in a backward pass) scales the constant cotangent
+    a backward pass starts from by an argument of the function: the loss
+    scale of ``mixprec.value_and_grad(..., loss_scale=opt_state)`` in a
+    whole train step (``1.0 * scale``). Scalars only: an argument array
+    times a constant (a weight recomputed under ``jax.checkpoint``) is
+    not a gradient."""
+    return (
+        bool(marks)
+        and any(m & CONST for m in marks)
+        and all(m & (CONST | INPUT) for m in marks)
+        and all(getattr(v.aval, "shape", None) == () for v in eqn.invars)
+        and all(getattr(v.aval, "shape", None) == () for v in eqn.outvars)
+    )
+
+
 def out_marks(
     spec: ops.OpSpec | None,
     eqn: JaxprEqn,
@@ -546,7 +562,7 @@ def out_marks(
             any_ |= m
     const = CONST if not marks or every & CONST else 0
     grad = 0
-    if backward and (any_ & GRAD or (marks and const)):
+    if backward and (any_ & GRAD or (marks and const) or _scaled_seed(eqn, marks)):
         # A backward pass starts from a constant cotangent (`jax.grad`'s 1.0);
         # what it computes from that is a gradient, residuals are not.
         grad = GRAD
