@@ -732,3 +732,51 @@ def test_the_compact_state_trains_under_a_plan():
     again, ref_again = step(*got[:2], x, y), ref_step(*ref[:2], x, y)
     assert_tree_dtypes(again, jax.tree.map(lambda a: a.dtype, ref_again))
     assert_trees_close(again[2], ref_again[2], dtype="bfloat16")
+
+
+# ------------------------------------------- scanned layers
+
+
+def _scanned_loss(w, x):
+    with jax.named_scope("inp"):
+        h = x @ w["inp"]
+
+    def body(h, wl):
+        with jax.named_scope("layer"):
+            return jnp.tanh(h @ wl), None
+
+    h, _ = jax.lax.scan(body, h, w["layers"])
+    with jax.named_scope("head"):
+        return jnp.mean((h @ w["head"]) ** 2)
+
+
+@pytest.mark.parametrize("body", ["float32", "mixed_bfloat16"])
+def test_scanned_layers_under_a_plan_and_the_gradient_after_the_scan(body):
+    k = jax.random.split(jax.random.key(0), 4)
+    w = {
+        "inp": jax.random.normal(k[0], (_D, _D)) / 11,
+        "layers": jax.random.normal(k[1], (3, _D, _D)) / 11,
+        "head": jax.random.normal(k[2], (_D, _D)) / 11,
+    }
+    x = jax.random.normal(k[3], (128, _D))
+    plan = mixprec.Plan("mixed_float8", rules=(Rule("layer", (), body),))
+    fn = jax.grad(_scanned_loss)
+    ops = mixprec.explain(fn, w, x, policy=plan).find("dot_general")
+    assert len(ops) == 3 + 5  # x needs no gradient: one for `inp`
+    low = "float32" if body == "float32" else "bfloat16"
+    for op in ops:
+        if op.site[0] == "layer":
+            assert op.in_dtypes == (low, low), op
+        elif op.backward:
+            # The weight gradient of `inp` reads the cotangent the transposed
+            # scan returns: a gradient, e5m2 (it was e4m3, its mark lost).
+            assert op.in_dtypes == ("float8_e5m2", "float8_e4m3fn"), op
+        else:
+            assert op.in_dtypes == ("float8_e4m3fn",) * 2, op
+    explained = sorted(tuple(_F8.get(t) or _HLO[t] for t in op.in_dtypes) for op in ops)
+    hlo = _hlo_dots(mixprec.autocast(fn, plan), w, x)
+    # (A scan body's dots appear once in the module, for all its iterations.)
+    assert sorted(hlo) == explained
+    g = jax.jit(mixprec.autocast(fn, plan))(w, x)
+    assert_tree_dtypes(g, jnp.float32)
+    _assert_float8_close(g, fn(w, x))

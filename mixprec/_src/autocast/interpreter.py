@@ -177,7 +177,11 @@ def run_eqn(
         eqn.params
     ):
         walk = walk.at(eqn)
-        hop_marks = [0] * n_out
+        # What a backward pass computes from a gradient is one, as for a
+        # first-order equation (`out_marks`): the cotangents a transposed
+        # `scan` or `while` returns (a rule may set its outputs' marks).
+        grad = GRAD if walk.backward and any(m & GRAD for m in marks) else 0
+        hop_marks = [grad] * n_out
         ctx = CastContext(walk.config, eqn, HIGHER_ORDER, walk, marks, hop_marks)
         rule = ops.higher_order_rule(prim.name)
         if getattr(walk.observer, "steps", False):
