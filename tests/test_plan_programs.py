@@ -780,3 +780,36 @@ def test_scanned_layers_under_a_plan_and_the_gradient_after_the_scan(body):
     g = jax.jit(mixprec.autocast(fn, plan))(w, x)
     assert_tree_dtypes(g, jnp.float32)
     _assert_float8_close(g, fn(w, x))
+
+
+# ------------------------------------------- eight devices
+
+
+def test_a_whole_step_under_a_plan_on_eight_devices():
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices")
+    w, x, y = _cast_chain()
+    opt = mixprec.optax.loss_scaled(optax.sgd(0.1))
+    state = opt.init(w)
+
+    def train_step(w, state, x, y):
+        vg = mixprec.value_and_grad(_cast_loss)
+        loss, grads, _ = vg(w, x, y, loss_scale=state)
+        updates, state = opt.update(grads, state, w)
+        return optax.apply_updates(w, updates), state, loss
+
+    plan, want = _three_site_plan()
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    shard = jax.NamedSharding(mesh, jax.P("data"))
+    xs, ys = jax.device_put(x, shard), jax.device_put(y, shard)
+    step = jax.jit(mixprec.autocast(train_step, plan))
+    report = mixprec.explain(train_step, w, state, xs, ys, policy=plan)
+    ops = report.find("dot_general")
+    assert [op.decision == want[op.site[0]] for op in ops] == [True] * 8
+    got8, got1 = step(w, state, xs, ys), step(w, state, x, y)
+    assert got8[0]["a"].sharding.is_fully_replicated
+    assert_tree_dtypes(got8, jax.tree.map(lambda a: a.dtype, got1))
+    for a, b in zip(jax.tree.leaves(got8), jax.tree.leaves(got1), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    ref = jax.jit(train_step)(w, state, x, y)
+    assert_trees_close(got8[2], ref[2], dtype="bfloat16")
