@@ -323,3 +323,31 @@ def test_a_jitted_layer_called_from_three_layers_follows_each_calls_sites():
         (0, "low"),
         (1, "float32"),
     ]
+
+
+def test_products_reading_one_input_keep_their_own_sites_in_the_backward():
+    """A gated MLP in a scanned whole step: `h @ gate` and `h @ up` read the
+    same `h`, so each weight gradient reads a value two forward products
+    read; it follows the one traced by its own source line."""
+
+    def loss(w, x, y):
+        def body(h, w):
+            with jax.named_scope("mlp"):
+                gate = h @ w["gate"]
+                up = h @ w["up"]
+                return h + (jax.nn.silu(gate) * up) @ w["down"], None
+
+        h, _ = jax.lax.scan(body, x, w)
+        return jnp.mean((h - y) ** 2)
+
+    w, x, y = _stack()
+    w["gate"] = w["up"][::-1]
+    plan = Plan(
+        "mixed_bfloat16",
+        sites=(
+            Site("mlp", "dot_general", 0, "float32"),
+            Site("mlp", "dot_general", 1, "mixed_float8"),
+        ),
+    )
+    fwd = _assert_backward_follows(jax.grad(loss), (w, x, y), plan)
+    assert fwd == [(0, "float32"), (1, "float8"), (2, "low")]

@@ -297,8 +297,13 @@ def _name(jaxpr: Jaxpr, scope: str, backward: bool, names: _Names, out: _Sites) 
                     if k not in near:
                         near.append(k)
             found += [k for k in near if k not in found]
-        if not found:
-            found = _same_lines(eqn, names.forward.get((layer, op), ()), names)
+        forward = names.forward.get((layer, op), ())
+        if len(found) > 1:
+            # several read it (`h @ wq`, `h @ wk`): those of its lines, if any
+            mine = [(k, e) for k, e in forward if k in found]
+            found = _same_lines(eqn, mine, names) or found
+        elif not found:
+            found = _same_lines(eqn, forward, names)
         out[id(eqn)] = tuple(found) if found else ((layer, op, None),)
 
 
