@@ -813,3 +813,33 @@ def test_a_whole_step_under_a_plan_on_eight_devices():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
     ref = jax.jit(train_step)(w, state, x, y)
     assert_trees_close(got8[2], ref[2], dtype="bfloat16")
+
+
+# ------------------------------------------- diagnose's suggested plan
+
+
+def test_diagnose_suggests_a_plan_that_passes_when_re_run():
+    loss, model, grad = _nnx_model()
+    x, y = _batch()
+    # Channels 1e6 times the rest into the first layer: tensorwise float8
+    # flushes every other value of its input to zero.
+    x = x.at[:, :2].multiply(1e6)
+    model = _scale_first_layer_inputs("nnx", model, 1e-6)
+    fn = grad(loss)
+    report = mixprec.diagnose(fn, model, x, y, policy="mixed_float8")
+    plan = report.suggested_plan
+    f8, bf16 = "p=f32,c=bf16,o=f32,f8=tensorwise", "p=f32,c=bf16,o=f32"
+    assert [s.policy for s in plan.sites] == [bf16, f8, f8]
+    assert report.plan_verified is True
+    again = mixprec.diagnose(fn, model, x, y, policy=plan)
+    assert again.plan_verified is True
+    assert [s.policy for s in again.suggested_plan.sites] == [bf16, f8, f8]
+    assert not [op for op in again.problems if op.site is not None]
+    ops = mixprec.explain(fn, model, x, y, policy=plan).find("dot_general")
+    assert [op.decision for op in ops if not op.backward] == ["low", "float8", "float8"]
+    g = jax.jit(mixprec.autocast(fn, plan))(model, x, y)
+    assert all(bool(jnp.isfinite(leaf).all()) for leaf in jax.tree.leaves(g))
+    _assert_float8_close(g, fn(model, x, y))
+    g8 = jax.jit(mixprec.autocast(fn, "mixed_float8"))(model, x, y)
+    with pytest.raises(AssertionError, match="in float8"):
+        _assert_float8_close(g8, fn(model, x, y))  # what the plan fixes
