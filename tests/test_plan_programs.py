@@ -10,6 +10,7 @@ and its values against float32 with the per-dtype tolerances of
 
 import json
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +21,7 @@ from helpers import assert_tree_dtypes, assert_trees_close, executed_lines
 
 import mixprec
 import mixprec.optax
+from mixprec._src.autocast.walk import PlanWarning
 from mixprec._src.plan import Rule, Site
 
 
@@ -843,3 +845,78 @@ def test_diagnose_suggests_a_plan_that_passes_when_re_run():
     g8 = jax.jit(mixprec.autocast(fn, "mixed_float8"))(model, x, y)
     with pytest.raises(AssertionError, match="in float8"):
         _assert_float8_close(g8, fn(model, x, y))  # what the plan fixes
+
+
+# ------------------------------------------- a hand-edited file that is off
+
+
+def test_a_site_entry_that_names_no_site_warns_with_the_closest():
+    # A site edited by hand with the layer renamed (or an index off by one)
+    # would otherwise be silently ignored: the product runs at the base.
+    w, x, y = _chain()
+    plan = mixprec.Plan.from_dict(
+        {
+            "format": 1,
+            "base": "mixed_bfloat16",
+            "sites": [
+                {"layer": "l1", "op": "dot_general", "index": 1, "policy": "float32"}
+            ],
+        }
+    )
+    with pytest.warns(
+        PlanWarning,
+        match=r"sites\[0\] \('l1', 'dot_general', 1\) "
+        r"names no matmul site.*closest sites: 'l1 dot_general #0'",
+    ):
+        mixprec.autocast(_chain_loss, plan)(w, x, y)
+    ok = mixprec.Plan(plan.base, sites=(Site("l1", "dot_general", 0, "float32"),))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PlanWarning)
+        mixprec.autocast(_chain_loss, ok)(w, x, y)
+
+
+def test_a_rule_over_an_nnx_models_layer_names_says_how_to_name_its_sites():
+    loss, model, _ = _nnx_model()
+    x, y = _batch()
+    plan = mixprec.Plan.from_dict(
+        {
+            "format": 1,
+            "base": "mixed_bfloat16",
+            "rules": [{"layers": "head", "policy": "float32"}],
+        }
+    )
+    with pytest.warns(
+        PlanWarning, match=r"rules\[0\].*no layer path.*\"sites\" by index"
+    ):
+        mixprec.autocast(loss, plan)(model, x, y)
+
+
+@pytest.mark.parametrize(
+    "entry, match",
+    [
+        ({"op": "dot"}, r"sites\[0\]: field 'op' names 'dot', which is not a matmul"),
+        ({"flops": "16M"}, r"sites\[0\]: field 'flops' must be a non-negative integer"),
+        ({"flops": -1}, r"sites\[0\]: field 'flops' must be a non-negative integer"),
+    ],
+)
+def test_a_malformed_site_field_names_the_entry_and_the_field(entry, match):
+    site = {"layer": "l1", "op": "dot_general", "index": 0, "policy": "float32"}
+    with pytest.raises(ValueError, match=match):
+        mixprec.Plan.from_dict(
+            {"format": 1, "base": "mixed_bfloat16", "sites": [{**site, **entry}]}
+        )
+
+
+@pytest.mark.parametrize(
+    "top, match",
+    [
+        (
+            {"candidates": ["mixed_float8", "mixed_bf16x"]},
+            r"field 'candidates'\[1\]: unknown policy 'mixed_bf16x'",
+        ),
+        ({"tolerance": True}, "field 'tolerance' must be a number, got True"),
+    ],
+)
+def test_malformed_top_fields_name_the_field(top, match):
+    with pytest.raises(ValueError, match=match):
+        mixprec.Plan.from_dict({"format": 1, "base": "mixed_bfloat16", **top})

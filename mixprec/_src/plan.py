@@ -337,6 +337,34 @@ class Plan:
             out.append((i, rule, close))
         return out
 
+    def unmatched_sites(
+        self, keys: Iterable[tuple[str, str, int]]
+    ) -> list[tuple[int, Site, list[str]]]:
+        """The entries of :attr:`sites` that name none of the sites ``keys``
+        (a program's forward products), each with the closest of them as
+        ``"layer op #index"`` (for the warning autocast gives): a layer
+        renamed, an index off by one, a site edited by hand with a typo.
+
+        Examples:
+            >>> plan = Plan("mixed_bfloat16", sites=(
+            ...     Site("net/dense_1", "dot_general", 0, "float32"),))
+            >>> [(i, close[0]) for i, _, close in plan.unmatched_sites(
+            ...     [("net/dense_0", "dot_general", 0)])]
+            [(0, 'net/dense_0 dot_general #0')]
+        """
+        import difflib
+
+        known = set(keys)
+        names = {f"{ly} {op} #{i}": (ly, op, i) for ly, op, i in known}
+        out = []
+        for i, site in enumerate(self.sites):
+            if site.key in known:
+                continue
+            want = f"{site.layer} {site.op} #{site.index}"
+            close = difflib.get_close_matches(want, sorted(names), n=3, cutoff=0.0)
+            out.append((i, site, close))
+        return out
+
     # -- editing -----------------------------------------------------------
     def with_site_policy(
         self, layer: str, op: str, index: int, policy: str | Policy
@@ -428,15 +456,23 @@ class Plan:
             measured = entry.get("measured", {})
             if not isinstance(measured, Mapping):
                 raise ValueError(f"{at}: field 'measured' must be an object.")
+            op = _field(entry, "op", str, at)
+            _check_ops([op], at, field="op")
+            flops = entry.get("flops", 0)
+            if not isinstance(flops, int) or isinstance(flops, bool) or flops < 0:
+                raise ValueError(
+                    f"{at}: field 'flops' must be a non-negative integer, got "
+                    f"{flops!r}."
+                )
             sites.append(
                 Site(
                     layer=_field(entry, "layer", str, at),
-                    op=_field(entry, "op", str, at),
+                    op=op,
                     index=index,
                     policy=policy,
                     chosen=chosen,
                     source=str(entry.get("source", "")),
-                    flops=int(entry.get("flops", 0)),
+                    flops=flops,
                     measured=tuple(
                         (str(c), tuple((str(k), v) for k, v in dict(m).items()))
                         for c, m in measured.items()
@@ -466,11 +502,17 @@ class Plan:
             _policy(policy, f"{at}, field 'policy'")
             rules.append(Rule(layers, tuple(ops), policy))
         tolerance = data.get("tolerance")
-        if tolerance is not None and not isinstance(tolerance, int | float):
-            raise ValueError(f"{where}: field 'tolerance' must be a number.")
+        if tolerance is not None and (
+            not isinstance(tolerance, int | float) or isinstance(tolerance, bool)
+        ):
+            raise ValueError(
+                f"{where}: field 'tolerance' must be a number, got {tolerance!r}."
+            )
         candidates = data.get("candidates", [])
         if not isinstance(candidates, list):
             raise ValueError(f"{where}: field 'candidates' must be a list.")
+        for i, c in enumerate(candidates):
+            _policy(c, f"{where}, field 'candidates'[{i}]")
         combined = data.get("combined", {})
         if not isinstance(combined, Mapping):
             raise ValueError(f"{where}: field 'combined' must be an object.")
@@ -538,7 +580,7 @@ def _list(data: Mapping[str, Any], name: str, where: str) -> Sequence[Any]:
     return value
 
 
-def _check_ops(ops: Sequence[str], where: str) -> None:
+def _check_ops(ops: Sequence[str], where: str, *, field: str = "ops") -> None:
     from mixprec._src._errors import format_choices, suggest
     from mixprec._src.autocast import ops as op_table
 
@@ -546,7 +588,7 @@ def _check_ops(ops: Sequence[str], where: str) -> None:
     for op in ops:
         if op not in products:
             raise ValueError(
-                f"{where}: field 'ops' names {op!r}, which is not a matmul-like "
+                f"{where}: field {field!r} names {op!r}, which is not a matmul-like "
                 f"op.{suggest(op, products)} Valid: {format_choices(products)}."
             )
 

@@ -331,17 +331,42 @@ def _site_config(config: CastConfig, policy: Any) -> CastConfig:
 _checked: set[tuple[Any, int]] = set()
 
 
-def check_rules(plan: Any, jaxpr: Jaxpr) -> None:
+def check_rules(plan: Any, jaxpr: Jaxpr, named: dict[int, Any] | None = None) -> None:
     """Warns, once per plan and program, of each rule that matches no
-    product of the program, with the closest layer paths."""
-    if not plan.rules or (plan, id(jaxpr)) in _checked:
+    product of the program, with the closest layer paths, and of each site
+    entry that names none (``named``: the program's sites, from
+    :func:`~mixprec._src.autocast.sites.name_sites`), with the closest."""
+    if not (plan.rules or plan.sites) or (plan, id(jaxpr)) in _checked:
         return
     _checked.add((plan, id(jaxpr)))
-    for i, rule, close in plan.unmatched_rules(sites_lib.program_sites(jaxpr)):
+    found = sites_lib.program_sites(jaxpr)
+    # A program whose products no module path or scope names (Flax NNX, a
+    # plain function) has only "" for a layer path.
+    unnamed = (
+        " Its products have no layer path (no module path or `jax.named_scope` "
+        'names them, as in Flax NNX): name them in "sites" by index, with '
+        '"layer": "".'
+        if found and all(not ly for ly, _ in found)
+        else ""
+    )
+    for i, rule, close in plan.unmatched_rules(found):
         near = ", ".join(repr(c) for c in close) or "none (no products)"
         warnings.warn(
             f"`Plan` rules[{i}] ({rule.layers!r}, ops={list(rule.ops)}) matches no "
-            f"matmul site of this program. The closest layer paths: {near}.",
+            f"matmul site of this program. The closest layer paths: {near}."
+            f"{unnamed if rule.layers else ''}",
+            PlanWarning,
+            stacklevel=2,
+        )
+    if not plan.sites or named is None:
+        return
+    keys = {k for ks in named.values() for k in ks if k[2] is not None}
+    for i, site, close in plan.unmatched_sites(keys):
+        near = ", ".join(repr(c) for c in close) or "none (no products)"
+        warnings.warn(
+            f"`Plan` sites[{i}] ({site.layer!r}, {site.op!r}, {site.index}) names "
+            f"no matmul site of this program, so it is not applied. The closest "
+            f"sites: {near}.{unnamed if site.layer else ''}",
             PlanWarning,
             stacklevel=2,
         )
