@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 
 import haiku as hk
 
-from ._src.policy import Policy, get_policy
+from ._src.policy import Policy, get_policy, plan_hint
 
 
 __all__ = ["push_policy", "set_policy"]
@@ -27,6 +27,7 @@ def _policy(policy: Policy | str, fn_name: str) -> Policy:
         raise TypeError(
             f"`mixprec.haiku.{fn_name}(cls, policy)` must be a `mixprec.Policy` or a "
             f"policy string such as 'mixed_bfloat16', got {type(policy).__name__}."
+            f"{plan_hint(policy)}"
         )
     return get_policy(policy)
 

@@ -920,3 +920,42 @@ def test_a_malformed_site_field_names_the_entry_and_the_field(entry, match):
 def test_malformed_top_fields_name_the_field(top, match):
     with pytest.raises(ValueError, match=match):
         mixprec.Plan.from_dict({"format": 1, "base": "mixed_bfloat16", **top})
+
+
+def _one_policy_calls():
+    """Calls that take one policy (they cast a module's parameters and
+    inputs; a plan's per-matmul policies apply through autocast)."""
+
+    def equinox(plan):
+        eqx = pytest.importorskip("equinox")
+        import mixprec.equinox
+
+        mixprec.equinox.MixedPrecision(eqx.nn.Linear(4, 4, key=jax.random.key(0)), plan)
+
+    def haiku(plan):
+        hk = pytest.importorskip("haiku")
+        import mixprec.haiku
+
+        mixprec.haiku.set_policy(hk.Linear, plan)
+
+    def flax(plan):
+        nn = pytest.importorskip("flax.linen")
+        import mixprec.flax
+
+        params = {"params": {"kernel": jnp.ones((4, 4)), "bias": jnp.zeros(4)}}
+        mixprec.flax.apply(nn.Dense(4), params, jnp.ones((2, 4)), policy=plan)
+
+    def scope(plan):
+        with mixprec.policy_scope(plan):
+            pass
+
+    return {"equinox": equinox, "haiku": haiku, "flax": flax, "policy_scope": scope}
+
+
+@pytest.mark.parametrize("call", sorted(_one_policy_calls()))
+def test_a_plan_where_one_policy_is_needed_says_where_plans_go(call):
+    plan = mixprec.Plan("mixed_bfloat16", rules=(Rule("head", (), "float32"),))
+    with pytest.raises(
+        TypeError, match=r"got Plan.*`mixprec.autocast\(fn, plan\)`.*`plan.base`"
+    ):
+        _one_policy_calls()[call](plan)

@@ -15,7 +15,7 @@ import contextlib
 import dataclasses
 import threading
 from collections.abc import Iterator, Mapping
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import jax.numpy as jnp
 import numpy as np
@@ -383,6 +383,21 @@ def _comm_choices(compute: np.dtype) -> str:
     return ", ".join(names)
 
 
+def plan_hint(value: Any) -> str:
+    """For a :class:`mixprec.Plan` given where one policy is needed, the
+    sentence that says where a plan goes; ``""`` for anything else."""
+    from mixprec._src.plan import Plan  # (plan.py imports this module)
+
+    if not isinstance(value, Plan):
+        return ""
+    return (
+        " A `mixprec.Plan` gives each matmul its own policy and is applied by "
+        "`mixprec.autocast(fn, plan)` (and `explain`/`diagnose` with "
+        "`policy=plan`); where one policy is needed, pass its base policy, "
+        "`plan.base`."
+    )
+
+
 def get_policy(spec: "str | Policy") -> Policy:
     """Parses a policy from a string (or returns a :class:`Policy` unchanged).
 
@@ -431,7 +446,7 @@ def get_policy(spec: "str | Policy") -> Policy:
     if not isinstance(spec, str):
         raise TypeError(
             f"Expected `get_policy(spec)` to be a str or a mixprec.Policy, "
-            f"got {type(spec).__name__} instead."
+            f"got {type(spec).__name__} instead.{plan_hint(spec)}"
         )
     text = spec.strip()
     if text.lower() in _KERAS_POLICIES:
