@@ -851,28 +851,49 @@ def test_diagnose_suggests_a_plan_that_passes_when_re_run():
 
 
 def test_a_site_entry_that_names_no_site_warns_with_the_closest():
-    # A site edited by hand with the layer renamed (or an index off by one)
-    # would otherwise be silently ignored: the product runs at the base.
+    # A site edited by hand with its layer misspelt would otherwise be
+    # silently ignored: the product runs at the base.
     w, x, y = _chain()
+    site = {"layer": "L1", "op": "dot_general", "index": 0, "policy": "float32"}
     plan = mixprec.Plan.from_dict(
-        {
-            "format": 1,
-            "base": "mixed_bfloat16",
-            "sites": [
-                {"layer": "l1", "op": "dot_general", "index": 1, "policy": "float32"}
-            ],
-        }
+        {"format": 1, "base": "mixed_bfloat16", "sites": [site]}
     )
     with pytest.warns(
         PlanWarning,
-        match=r"sites\[0\] \('l1', 'dot_general', 1\) "
-        r"names no matmul site.*closest sites: 'l1 dot_general #0'",
+        match=r"sites\[0\] \('L1', 'dot_general', 0\): no dot_general of this "
+        r"program is in that layer.*closest layer paths: 'l1'",
     ):
         mixprec.autocast(_chain_loss, plan)(w, x, y)
     ok = mixprec.Plan(plan.base, sites=(Site("l1", "dot_general", 0, "float32"),))
     with warnings.catch_warnings():
         warnings.simplefilter("error", PlanWarning)
         mixprec.autocast(_chain_loss, ok)(w, x, y)
+
+
+def test_a_jitted_layer_called_from_two_layers_is_a_site_in_each():
+    @jax.jit
+    def dense(x, w):
+        return jnp.tanh(x @ w)
+
+    def loss(w, x, y):
+        with jax.named_scope("l0"):
+            h = dense(x, w["a"])
+        with jax.named_scope("l1"):
+            h = dense(h, w["b"])
+        with jax.named_scope("l2"):
+            return jnp.mean((h @ w["c"] - y) ** 2)
+
+    w, x, y = _chain()
+    plan = mixprec.Plan(
+        "mixed_bfloat16", sites=(Site("l1", "dot_general", 0, "float32"),)
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PlanWarning)  # (l1's site is there)
+        ops = mixprec.explain(jax.grad(loss), w, x, y, policy=plan).find("dot_general")
+    assert len(ops) == 3 + 5
+    for op in ops:
+        want = "float32" if op.site[0] == "l1" else "bfloat16"
+        assert op.in_dtypes == (want, want), op
 
 
 def test_a_rule_over_an_nnx_models_layer_names_says_how_to_name_its_sites():

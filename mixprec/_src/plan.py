@@ -338,30 +338,30 @@ class Plan:
         return out
 
     def unmatched_sites(
-        self, keys: Iterable[tuple[str, str, int]]
+        self, sites: Iterable[tuple[str, str]]
     ) -> list[tuple[int, Site, list[str]]]:
-        """The entries of :attr:`sites` that name none of the sites ``keys``
-        (a program's forward products), each with the closest of them as
-        ``"layer op #index"`` (for the warning autocast gives): a layer
-        renamed, an index off by one, a site edited by hand with a typo.
+        """The entries of :attr:`sites` whose layer and op name no ``(layer,
+        op)`` of ``sites`` (a program's products), each with the closest
+        layer paths (for the warning autocast gives): a layer renamed, a
+        site edited by hand with a typo. (Its index is not checked: a body
+        called from two layers is named when the walk reaches it.)
 
         Examples:
             >>> plan = Plan("mixed_bfloat16", sites=(
             ...     Site("net/dense_1", "dot_general", 0, "float32"),))
             >>> [(i, close[0]) for i, _, close in plan.unmatched_sites(
-            ...     [("net/dense_0", "dot_general", 0)])]
-            [(0, 'net/dense_0 dot_general #0')]
+            ...     [("net/dense_0", "dot_general")])]
+            [(0, 'net/dense_0')]
         """
         import difflib
 
-        known = set(keys)
-        names = {f"{ly} {op} #{i}": (ly, op, i) for ly, op, i in known}
+        found = set(sites)
+        layers = sorted({ly for ly, _ in found})
         out = []
         for i, site in enumerate(self.sites):
-            if site.key in known:
+            if (site.layer, site.op) in found:
                 continue
-            want = f"{site.layer} {site.op} #{site.index}"
-            close = difflib.get_close_matches(want, sorted(names), n=3, cutoff=0.0)
+            close = difflib.get_close_matches(site.layer, layers, n=3, cutoff=0.0)
             out.append((i, site, close))
         return out
 

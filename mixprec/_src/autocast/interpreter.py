@@ -298,7 +298,7 @@ def eval_jaxpr(
         open_jaxpr: Jaxpr = jaxpr  # type: ignore[assignment]
         named = sites_lib.name_sites(open_jaxpr, walk.scope, walk.backward, walk.sites)
         if plan is not None and not walk.path and not walk.scope:
-            check_rules(plan, open_jaxpr, named)
+            check_rules(plan, open_jaxpr)
     walk = walk.over(facts, named)
     if walk.rewrites:
         jaxpr = rewrites.rewrite(jaxpr, consts, known)  # type: ignore[arg-type]

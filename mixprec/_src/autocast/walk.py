@@ -331,11 +331,10 @@ def _site_config(config: CastConfig, policy: Any) -> CastConfig:
 _checked: set[tuple[Any, int]] = set()
 
 
-def check_rules(plan: Any, jaxpr: Jaxpr, named: dict[int, Any] | None = None) -> None:
+def check_rules(plan: Any, jaxpr: Jaxpr) -> None:
     """Warns, once per plan and program, of each rule that matches no
-    product of the program, with the closest layer paths, and of each site
-    entry that names none (``named``: the program's sites, from
-    :func:`~mixprec._src.autocast.sites.name_sites`), with the closest."""
+    product of the program, and of each site entry whose layer holds none
+    of its op, with the closest layer paths."""
     if not (plan.rules or plan.sites) or (plan, id(jaxpr)) in _checked:
         return
     _checked.add((plan, id(jaxpr)))
@@ -358,15 +357,12 @@ def check_rules(plan: Any, jaxpr: Jaxpr, named: dict[int, Any] | None = None) ->
             PlanWarning,
             stacklevel=2,
         )
-    if not plan.sites or named is None:
-        return
-    keys = {k for ks in named.values() for k in ks if k[2] is not None}
-    for i, site, close in plan.unmatched_sites(keys):
+    for i, site, close in plan.unmatched_sites(found):
         near = ", ".join(repr(c) for c in close) or "none (no products)"
         warnings.warn(
-            f"`Plan` sites[{i}] ({site.layer!r}, {site.op!r}, {site.index}) names "
-            f"no matmul site of this program, so it is not applied. The closest "
-            f"sites: {near}.{unnamed if site.layer else ''}",
+            f"`Plan` sites[{i}] ({site.layer!r}, {site.op!r}, {site.index}): no "
+            f"{site.op} of this program is in that layer, so it is not applied. "
+            f"The closest layer paths: {near}.{unnamed if site.layer else ''}",
             PlanWarning,
             stacklevel=2,
         )
