@@ -128,6 +128,41 @@ def _remat_scan_loss(w, x, y):
     return jnp.mean((h - y) ** 2)
 
 
+def _one_line_block(h, w):
+    with jax.named_scope("mlp"):
+        return h + jnp.tanh(h @ w["up"]) @ w["down"]
+
+
+def _remat_one_line_loss(w, x, y):
+    # the recomputed tanh(h @ up) that down's weight gradient reads is on the
+    # line of both products: it is told apart as the same value computed again
+    body = jax.checkpoint(lambda h, wl: (_one_line_block(h, wl), None))
+    h, _ = jax.lax.scan(body, x, w)
+    return jnp.mean((h - y) ** 2)
+
+
+@jax.custom_vjp
+def _vjp_block(h, w):
+    return _block(h, w)
+
+
+def _vjp_block_fwd(h, w):
+    return _block(h, w), (h, w)
+
+
+def _vjp_block_bwd(res, g):
+    # recomputes the forward: its products are traced by this rule's caller
+    return jax.vjp(_block, *res)[1](g)
+
+
+_vjp_block.defvjp(_vjp_block_fwd, _vjp_block_bwd)
+
+
+def _custom_vjp_loss(w, x, y):
+    h, _ = jax.lax.scan(lambda h, wl: (_vjp_block(h, wl), None), x, w)
+    return jnp.mean((h - y) ** 2)
+
+
 _jit_block = jax.jit(_block)
 
 
@@ -184,7 +219,9 @@ _DECISION = {"mixed_float8": "float8", "mixed_bfloat16": "low", "mixed_float16":
 
 @pytest.mark.parametrize("low", ["mixed_float8", "mixed_bfloat16"])
 @pytest.mark.parametrize(
-    "loss", [_scan_loss, _remat_scan_loss, _jit_loss], ids=["scan", "remat_scan", "jit"]
+    "loss",
+    [_scan_loss, _remat_scan_loss, _remat_one_line_loss, _custom_vjp_loss, _jit_loss],
+    ids=["scan", "remat_scan", "remat_one_line", "custom_vjp", "jit"],
 )
 def test_a_whole_step_runs_each_backward_product_at_its_forward_sites_policy(loss, low):
     """A whole step over scanned layers (also checkpointed), or calling a

@@ -24,12 +24,16 @@ consts, then the carry). So the residual a forward ``scan`` stacks as ys
 and its transpose reads as xs is followed from one body into the other.
 Of the forward sites at the same distance, those of the backward
 product's own layer (it keeps the name stack of the forward product it
-transposes) are taken, else all; a product several are traced to runs
-the widest of their policies (``tanh(x @ w) @ w``: both read ``w``). One
-not traced so (a checkpoint's recomputed value, which is a new variable)
-takes the forward sites of its layer and primitive traced by the same user
-source lines, and only where none is found is it ``(layer, op, None)``:
-the widest policy of the sites of its layer and primitive.
+transposes) are taken, else all, and of several those traced by its own
+source lines where there are such (``h @ wq`` and ``h @ wk`` both read
+``h``); a product still traced to several runs the widest of their
+policies (``tanh(x @ w) @ w``: both read ``w``). One that reads a value
+computed again (a checkpoint's recomputed forward, or a ``custom_vjp``
+rule's: new variables) is traced to the forward sites that read the same
+value, by value numbers (the same pure ops on the same variables); else to
+the forward sites of its layer and primitive traced by the same source
+lines; and only where none is found is it ``(layer, op, None)``: the
+widest policy of the sites of its layer and primitive.
 
 Examples:
     >>> import jax, jax.numpy as jnp
@@ -217,8 +221,12 @@ class _Names:
         "forward",
         "frames",
         "links",
+        "numbered",
+        "numbers",
         "producer",
         "read_by",
+        "reads",
+        "same",
         "visited",
     )
 
@@ -228,10 +236,17 @@ class _Names:
         self.visited: dict[int, set[tuple[str, bool]]] = {}
         # per layer and op, its forward products (for those not traced back)
         self.forward: dict[tuple[str, str], list[tuple[SiteKey, JaxprEqn]]] = {}
+        self.reads: list[tuple[SiteKey, JaxprEqn]] = []  # every forward product
         self.frames: dict[int, tuple[tuple[str, int], ...]] = {}
         self.producer: dict[Any, JaxprEqn] = {}
         self.links: dict[Any, list[_Link]] = {}
         self.read_by: dict[Any, list[tuple[SiteKey, int, _Taken]]] = {}
+        # value numbers (for recomputed values), made when first needed:
+        # per variable its number, per number the forward sites that read it,
+        # and how many forward products are numbered so far
+        self.numbers: dict[Any, Any] = {}
+        self.same: dict[Any, list[SiteKey]] = {}
+        self.numbered = 0
 
 
 def _name(jaxpr: Jaxpr, scope: str, backward: bool, names: _Names, out: _Sites) -> None:
@@ -271,6 +286,7 @@ def _name(jaxpr: Jaxpr, scope: str, backward: bool, names: _Names, out: _Sites) 
             key: SiteKey = (layer, op, index)
             out[id(eqn)] = (key,)
             names.forward.setdefault((layer, op), []).append((key, eqn))
+            names.reads.append((key, eqn))
             for v in eqn.invars:
                 for u, hops, taken in _upstream(v, names):
                     names.read_by.setdefault(u, []).append((key, hops, taken))
@@ -297,6 +313,8 @@ def _name(jaxpr: Jaxpr, scope: str, backward: bool, names: _Names, out: _Sites) 
                     if k not in near:
                         near.append(k)
             found += [k for k in near if k not in found]
+        if not found:
+            found = _recomputed(eqn, op, layer, names)
         forward = names.forward.get((layer, op), ())
         if len(found) > 1:
             # several read it (`h @ wq`, `h @ wk`): those of its lines, if any
@@ -305,6 +323,88 @@ def _name(jaxpr: Jaxpr, scope: str, backward: bool, names: _Names, out: _Sites) 
         elif not found:
             found = _same_lines(eqn, forward, names)
         out[id(eqn)] = tuple(found) if found else ((layer, op, None),)
+
+
+# Ops whose result is their operands' and params' alone: a value computed
+# again by the same ops from the same values (a checkpoint's recomputed
+# forward) is the value the forward computed.
+_PURE = frozenset(
+    [
+        *_THROUGH,
+        *("abs", "add", "broadcast_in_dim", "cos", "div", "dot_general", "erf"),
+        *("exp", "exp2", "expand_dims", "integer_pow", "log", "log1p", "logistic"),
+        *("max", "min", "mul", "neg", "pow", "reduce_max", "reduce_precision"),
+        *("reduce_sum", "rsqrt", "select_n", "sign", "sin", "slice", "sqrt"),
+        *("square", "sub", "tan", "tanh"),
+    ]
+)
+
+
+def _recomputed(eqn: JaxprEqn, op: str, layer: str, names: _Names) -> list[SiteKey]:
+    """The forward sites that read a value ``eqn`` reads as computed again
+    (the same ops from the same variables), those of ``layer`` first."""
+    reads = names.reads
+    for key, e in reads[names.numbered :]:
+        for v in e.invars:
+            hit = names.same.setdefault(_number(v, names), [])
+            if key not in hit:
+                hit.append(key)
+    names.numbered = len(reads)
+    found: list[SiteKey] = []
+    for v in eqn.invars:
+        found += [
+            k
+            for k in names.same.get(_number(v, names), ())
+            if k[1] == op and k not in found
+        ]
+    mine = [k for k in found if k[0] == layer]
+    return mine or found
+
+
+def _number(v: Any, names: _Names) -> Any:
+    """The value number of ``v``: equal for variables computed by the same
+    pure ops from the same variables (followed across the bodies' bindings
+    where they are one to one)."""
+    numbers = names.numbers
+    stack = [v]
+    while stack:
+        u = stack[-1]
+        if type(u) is not Var or u in numbers:
+            stack.pop()
+            continue
+        eqn = names.producer.get(u)
+        if eqn is not None and eqn.primitive.name in _PURE:
+            todo = [i for i in eqn.invars if type(i) is Var and i not in numbers]
+            if todo:
+                stack += todo
+                continue
+            params = tuple(sorted(eqn.params.items()))
+            key = (
+                eqn.primitive.name,
+                params,
+                tuple(
+                    numbers[i] if type(i) is Var else ("literal", str(i))
+                    for i in eqn.invars
+                ),
+                eqn.outvars.index(u),
+            )
+            try:
+                hash(key)
+            except TypeError:  # a param that is not hashable: a value apart
+                key = ("var", id(u))
+            numbers[u] = key
+        else:
+            bound = names.links.get(u, ())
+            if len(bound) == 1 and bound[0][1] is None and type(bound[0][0]) is Var:
+                up = bound[0][0]
+                if up not in numbers:
+                    stack.append(up)
+                    continue
+                numbers[u] = numbers[up]
+            else:
+                numbers[u] = ("var", id(u))
+        stack.pop()
+    return numbers[v] if type(v) is Var else ("literal", str(v))
 
 
 def _same_lines(
