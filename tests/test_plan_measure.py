@@ -352,3 +352,77 @@ def test_a_checkpointed_site_is_measured_once():
         want = _alone_diagnosed(_remat_loss, args, key, "mixed_float8")
         assert got["quantized"] == want["quantized"] == 128 * 256 + 256 * 256
         np.testing.assert_allclose(got["op_error"], want["op_error"], rtol=1e-5)
+
+
+def _small_head_loss(w, x, y):
+    """A 10-way output layer: under the float8 recipe's `min_dim` it runs in
+    bfloat16 under `mixed_float8`, as under `mixed_bfloat16`."""
+    with jax.named_scope("hidden"):
+        h = jnp.tanh(x @ w["a"])
+    with jax.named_scope("head"):
+        return jnp.mean((h @ w["head"] - y) ** 2)
+
+
+def test_candidates_that_run_a_product_alike_share_its_branch(monkeypatch):
+    """The head's float8 and bfloat16 candidates decide it alike, so the one
+    program computes it once for both; selecting either gives the program
+    compiled with the head alone at it (the gradient reaches the shared
+    branch whichever selects it), and fewer products are computed."""
+    k = jax.random.split(jax.random.key(3), 4)
+    w = {
+        "a": jax.random.normal(k[0], (256, 256)) / 16,
+        "head": jax.random.normal(k[1], (256, 10)) / 16,
+    }
+    args = (w, jax.random.normal(k[2], (128, 256)), jax.random.normal(k[3], (128, 10)))
+    keys = _keys(_small_head_loss, *args)
+    assert [k[0] for k in keys] == ["hidden", "head"]
+    names = ["mixed_float8", "mixed_bfloat16", "float32"]
+    alone = planner._switched(_small_head_loss, keys, names, "float32", 0, None, _MODE)
+    for c in names:
+        for i, key in enumerate(keys):
+            choice = ["float32"] * 2
+            choice[i] = c
+            plan = Plan(get_policy("float32"), sites=(Site(*key, policy=c),))
+            fn = planner._value_and_grad(autocast(_small_head_loss, plan), 0, None)
+            got = alone(choice, *args)
+            _assert_float32_equal(got, fn(*args), f"{key} {c}")
+    head = ["float32", "mixed_float8"]
+    bf16 = ["float32", "mixed_bfloat16"]
+    np.testing.assert_array_equal(alone(head, *args)[0], alone(bf16, *args)[0])
+    *_, ops = alone(["float32"] * 2, *args, record=True)
+    assert ops[keys[1], "mixed_float8"] == ops[keys[1], "mixed_bfloat16"]
+    assert ops[keys[1], "mixed_float8"]["quantized"] == 0
+
+    from mixprec._src.autocast import interpreter
+
+    def branches(shares):
+        """How many times the switch runs a product."""
+        ran = []
+        real = interpreter.run_eqn
+
+        def spy(walk, eqn, *a):
+            if eqn.primitive.name == "dot_general":
+                ran.append(eqn)
+            return real(walk, eqn, *a)
+
+        order = sorted(names, key=lambda c: planner.policy_rank(get_policy(c)))
+        switch = planner._Switch(keys, [get_policy(c) for c in order], 2)
+        switch.shares = shares
+        fn = autocast(
+            _small_head_loss, planner._SwitchPlan(get_policy("float32"), switch)
+        )
+
+        def measure(sel, *a):
+            switch.sel = sel
+            try:
+                return jax.value_and_grad(fn)(*a)
+            finally:
+                switch.sel = None
+
+        with monkeypatch.context() as m:
+            m.setattr(interpreter, "run_eqn", spy)
+            jax.make_jaxpr(measure)(np.zeros(2, np.int32), *args)
+        return len(ran)
+
+    # hidden: 3 candidates, 3 branches; head: 3 candidates, 2 branches
+    assert (branches(True), branches(False)) == (5, 6)
