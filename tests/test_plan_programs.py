@@ -421,6 +421,9 @@ def test_a_measured_plan_runs_as_planned_in_a_whole_train_step(library, tmp_path
     model = _scale_first_layer_inputs(library, model, 1e-5)
     plan = mixprec.plan(loss, model, x, y, platform="h100")
     assert [s.policy for s in plan.sites] == ["mixed_bfloat16"] + ["mixed_float8"] * 2
+    # Each site shows the user's line that calls the library's layer.
+    for s in plan.sites:
+        assert "test_plan_programs.py:" in s.source, s
     plan.save(tmp_path / "plan.json")
     plan = mixprec.Plan.load(tmp_path / "plan.json")
     policies: dict[tuple, str] = {s.key: s.policy for s in plan.sites}

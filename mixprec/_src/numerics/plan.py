@@ -724,7 +724,7 @@ def plan(
             if op.site is None or op.backward or op.site[2] is None:
                 continue
             key = (op.site[0], op.site[1], int(op.site[2]))
-            f = found.setdefault(key, _Found(key, source=op.source))
+            f = found.setdefault(key, _Found(key, source=op.call_site or op.source))
             if c == names[0]:
                 f.flops += op.flops
             runs = {"float8": "float8", "low": str(op.dtype)}.get(op.decision)
