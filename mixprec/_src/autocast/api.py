@@ -42,7 +42,7 @@ from jax.extend import source_info_util as siu
 from jax.extend.core import jaxpr_as_fun
 
 from mixprec._src import _compat
-from mixprec._src.autocast import interpreter, nnx_state, regions, rules
+from mixprec._src.autocast import arg_paths, interpreter, nnx_state, regions, rules
 from mixprec._src.autocast.config import CastConfig, make_config
 from mixprec._src.autocast.ops import OpLists
 from mixprec._src.autocast.walk import Observer, Walk
@@ -217,9 +217,14 @@ def trace_source(
         args, kwargs = jax.tree.unflatten(treedef, full)
         token = _active.set(config)
         try:
-            out = fn(*args, **kwargs)
+            with arg_paths.collecting() as seen:
+                out = fn(*args, **kwargs)
+                # (after the call: an NNX object's Variables are noted where
+                # it is rebuilt, and keep those paths)
+                arg_paths.note(args, kwargs)
         finally:
             _active.reset(token)
+        out_info["paths"] = [seen.get(id(x)) for x in dyn]
         out_leaves, out_tree = jax.tree.flatten(out)
         out_info["tree"] = out_tree
         out_info["static"] = {
@@ -238,9 +243,12 @@ def trace_source(
     name = getattr(fn, "__name__", type(fn).__name__)
     with _collector_paused():
         closed = _compat.trace_to_closed_jaxpr(flat_fn, in_avals, name=name)
+    jaxpr = _compat.convert_constvars_jaxpr(closed.jaxpr)
+    # Plan sites with no layer path are named by the argument leaf they read.
+    arg_paths.register(jaxpr, [None] * len(closed.consts) + out_info["paths"])
     return Source(
         closed=closed,
-        jaxpr=_compat.convert_constvars_jaxpr(closed.jaxpr),
+        jaxpr=jaxpr,
         consts=list(closed.consts),
         in_avals=in_avals,
         out_tree=out_info["tree"],

@@ -40,6 +40,7 @@ import jax
 import numpy as np
 
 from mixprec._src import _compat
+from mixprec._src.autocast import arg_paths
 
 
 def _nnx() -> Any:
@@ -99,6 +100,22 @@ class _Flat:
 
     graphdef: Any = dataclasses.field(metadata=dict(static=True))
     leaves: list[Any]
+
+
+Flat = _Flat
+
+
+def variables(node: Any) -> list[tuple[list[str], Any, bool]]:
+    """Per Variable of the NNX object ``node`` (each once): its attribute
+    path, its value and whether it is an ``nnx.Param`` (for naming plan
+    sites by the parameter a product reads)."""
+    nnx = _nnx()
+    found = []
+    for path, x in nnx.graph.iter_graph(node):
+        if isinstance(x, nnx.Variable):
+            value = x.get_value()
+            found.append(([str(k) for k in path], value, isinstance(x, nnx.Param)))
+    return found
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +191,7 @@ def _pure(fn: Callable[..., Any], tag: _Tag | None, name: str) -> Callable[..., 
     def pure(split: tuple[Any, list[_Flat]]) -> tuple[Any, list[_Flat]]:
         skeleton, flats = split
         args, kwargs = _unflatten(skeleton, flats, tag, inner=True)
+        arg_paths.note(args, kwargs)
         out = fn(*args, **kwargs)
         leaves = jax.tree.leaves((args, kwargs), is_leaf=is_node)
         in_nodes = [x for x in leaves if is_node(x)]
