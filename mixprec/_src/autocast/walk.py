@@ -339,11 +339,12 @@ def check_rules(plan: Any, jaxpr: Jaxpr) -> None:
         return
     _checked.add((plan, id(jaxpr)))
     found = sites_lib.program_sites(jaxpr)
-    # A program whose products no module path or scope names (Flax NNX, a
-    # plain function) has only "" for a layer path.
+    # A program whose products no module path, scope or parameter path
+    # names (a plain function of its weights) has only "" for a layer path.
     unnamed = (
-        " Its products have no layer path (no module path or `jax.named_scope` "
-        'names them, as in Flax NNX): name them in "sites" by index, with '
+        " Its products have no layer path (no module path, `jax.named_scope` "
+        "or path of a parameter they read names them: the weights are "
+        'arguments themselves): name them in "sites" by index, with '
         '"layer": "".'
         if found and all(not ly for ly, _ in found)
         else ""
