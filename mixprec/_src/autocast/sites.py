@@ -9,6 +9,15 @@ walked, before the rewrite passes (a fused attention's products keep the
 names they had), and the walk reads them where it gives an equation its
 region (:meth:`~mixprec._src.autocast.interpreter.Walk.for_eqn`).
 
+A product of a zero JAX made (the zero tangent a ``custom_jvp`` rule
+calling ``jax.jvp`` gets for an input not differentiated: ``0 @ w`` in a
+whole step, not in its loss) is no site and takes no index, so a whole step
+has the sites of its loss. A product whose result is used nowhere (by
+liveness from the jaxpr's outputs, into and out of bodies bound by
+position) is in ``dead`` (:func:`is_unused`): XLA removes it, ``explain``
+and ``diagnose`` do not list it; it keeps its name (the loss's last product
+where ``jax.grad`` drops the loss value is still the site of its gradients).
+
 Backward products follow their forward site. JAX's transpose of
 ``dot(x, w)`` is ``dot(g, w)`` and ``dot(x, g)``: each keeps a forward
 operand as its residual, so a backward product is traced to the forward
@@ -67,14 +76,15 @@ import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Var
+import numpy as np
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
 
 from mixprec._src import _compat
 from mixprec._src.autocast import ops
 from mixprec._src.numerics.record import layer_path
 
 
-__all__ = ["SiteKey", "layer_of", "name_sites", "program_sites"]
+__all__ = ["SiteKey", "is_unused", "layer_of", "name_sites", "program_sites"]
 
 #: ``(layer, op, index)``; ``index`` is ``None`` for a backward product not
 #: traced back to a forward one.
@@ -119,11 +129,17 @@ class _Sites(dict):  # dict[int, tuple[SiteKey, ...]]
     again from another layer, the names of each later visit (and of the
     bodies in it)."""
 
-    __slots__ = ("visits",)
+    __slots__ = ("dead", "visits")
 
-    def __init__(self, visits: dict[int, list[_Sites]] | None = None) -> None:
+    def __init__(
+        self,
+        visits: dict[int, list[_Sites]] | None = None,
+        dead: set[int] | None = None,
+    ) -> None:
         super().__init__()
         self.visits: dict[int, list[_Sites]] = {} if visits is None else visits
+        # the products (by equation id) whose results are never used: no site
+        self.dead: set[int] = set() if dead is None else dead
 
 
 def name_sites(
@@ -159,10 +175,18 @@ def name_sites(
     hit = per_jaxpr.get((scope, backward))
     if hit is not None:
         return hit
-    out = _Sites()
-    _name(jaxpr, scope, backward, _Names(), out)
+    names = _Names()
+    _live(jaxpr, (True,) * len(jaxpr.outvars), names)
+    out = _Sites(dead=names.dead)
+    _name(jaxpr, scope, backward, names, out)
     per_jaxpr[(scope, backward)] = out
     return out
+
+
+def is_unused(sites: dict[int, tuple[SiteKey, ...]], eqn: JaxprEqn) -> bool:
+    """Whether :func:`name_sites` found that ``eqn``, a product, computes a
+    result used nowhere (no site: XLA removes it from the program)."""
+    return id(eqn) in getattr(sites, "dead", ())
 
 
 def _inherited(
@@ -194,10 +218,28 @@ def _covered(
                     found = found or hit
             continue
         keys = outer.get(id(eqn))
-        if not keys or any(k[0] != layer_of(eqn, scope) for k in keys):
+        if not keys:
+            if id(eqn) in getattr(outer, "dead", ()):
+                found = True  # used nowhere: no site, as named there
+                continue
+            return None
+        layer = layer_of(eqn, scope)
+        if any(not _same_layer(k[0], layer) for k in keys):
             return None
         found = True
     return found
+
+
+def _same_layer(a: str, b: str) -> bool:
+    """Whether layer paths ``a`` and ``b`` are one, where a scope repeated
+    at once counts once (the backward ``checkpoint`` of a call in scope
+    ``s`` has the name stack ``transpose(jvp(s))/jvp(s)``: layer ``s/s``)."""
+    return a == b or _once(a) == _once(b)
+
+
+def _once(layer: str) -> str:
+    parts = layer.split("/")
+    return "/".join(p for i, p in enumerate(parts) if i == 0 or p != parts[i - 1])
 
 
 # A path's branches taken: per ``cond`` index (the variable it was computed
@@ -218,15 +260,23 @@ class _Names:
 
     __slots__ = (
         "counts",
+        "bodies",
+        "bodies_of",
+        "dead",
+        "holds",
         "forward",
         "frames",
         "links",
+        "live",
         "numbered",
         "numbers",
         "producer",
         "read_by",
         "reads",
+        "replay",
         "same",
+        "used",
+        "zeros",
         "visited",
     )
 
@@ -247,6 +297,26 @@ class _Names:
         self.numbers: dict[Any, Any] = {}
         self.same: dict[Any, list[SiteKey]] = {}
         self.numbered = 0
+        # the products whose results are used (:func:`_live`), by id, and
+        # those named none for it; per jaxpr and outvars used, the invars
+        # used; per jaxpr, whether it holds a product; per equation, its bodies
+        self.live: set[int] = set()
+        self.dead: set[int] = set()
+        self.zeros: dict[Any, bool] = {}
+        self.used: dict[tuple[int, tuple[bool, ...]], tuple[bool, ...]] = {}
+        self.holds: dict[int, bool] = {}
+        self.bodies_of: dict[int, list[Jaxpr]] = {}
+        # per forward body's products (`_again`), their names; and the names
+        # the body being named takes in turn, where it repeats one
+        self.bodies: dict[Any, list[SiteKey]] = {}
+        self.replay: list[SiteKey] = []
+
+    def subs(self, eqn: JaxprEqn) -> list[Jaxpr]:
+        """The bodies in ``eqn``'s parameters (:func:`_sub_jaxprs`, once)."""
+        hit = self.bodies_of.get(id(eqn))
+        if hit is None:
+            hit = self.bodies_of[id(eqn)] = _sub_jaxprs(eqn)
+        return hit
 
 
 def _name(jaxpr: Jaxpr, scope: str, backward: bool, names: _Names, out: _Sites) -> None:
@@ -255,7 +325,7 @@ def _name(jaxpr: Jaxpr, scope: str, backward: bool, names: _Names, out: _Sites) 
         for v in eqn.outvars:
             producer[v] = eqn
         if not _is_product(eqn):
-            bodies = _bindings(eqn)
+            bodies = _bindings(eqn, names.subs(eqn))
             if bodies:
                 branch = eqn.primitive.name == "cond"
                 index = _root(eqn.invars[0], names) if branch else None
@@ -273,17 +343,33 @@ def _name(jaxpr: Jaxpr, scope: str, backward: bool, names: _Names, out: _Sites) 
                         continue
                     into = out
                     if seen:
-                        into = _Sites(out.visits)
+                        into = _Sites(out.visits, out.dead)
                         out.visits.setdefault(id(sub), []).append(into)
                     seen.add(where)
+                    again = _again(eqn, sub, inner, where, flag, names)
+                    if again is not None and again[1] is not None:
+                        names.replay = list(again[1])
                     _name(sub, inner, flag, names, into)
+                    names.replay = []
+                    if again is not None and again[1] is None:
+                        names.bodies[again[0]] = [into[id(e)][0] for e in again[2]]
             continue
+        if id(eqn) not in names.live:
+            # used nowhere: XLA drops it, and explain does not list it; it
+            # keeps its name (the loss's product whose result only the loss
+            # value `jax.grad` drops reads, is still its backward's site)
+            names.dead.add(id(eqn))
+        if any(_zero(v, names) for v in eqn.invars):
+            continue  # a zero JAX made (a zero tangent): no site, no index
         layer = layer_of(eqn, scope)
         op = eqn.primitive.name
         if not (backward or _is_backward(eqn)):
-            index = names.counts.get((layer, op), 0)
-            names.counts[(layer, op)] = index + 1
-            key: SiteKey = (layer, op, index)
+            if names.replay:  # a body that repeats one named before
+                key: SiteKey = names.replay.pop(0)
+            else:
+                index = names.counts.get((layer, op), 0)
+                names.counts[(layer, op)] = index + 1
+                key = (layer, op, index)
             out[id(eqn)] = (key,)
             names.forward.setdefault((layer, op), []).append((key, eqn))
             names.reads.append((key, eqn))
@@ -323,6 +409,68 @@ def _name(jaxpr: Jaxpr, scope: str, backward: bool, names: _Names, out: _Sites) 
         elif not found:
             found = _same_lines(eqn, forward, names)
         out[id(eqn)] = tuple(found) if found else ((layer, op, None),)
+
+
+# Calls whose bodies stay bodies in the gradient of a loss (a custom_jvp or
+# custom_vjp call's is replaced by its rules there).
+_CALLS = frozenset(["jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint"])
+
+
+def _again(
+    eqn: JaxprEqn,
+    sub: Jaxpr,
+    scope: str,
+    where: tuple[str, bool],
+    backward: bool,
+    names: _Names,
+) -> tuple[Any, list[SiteKey] | None, list[JaxprEqn]] | None:
+    """Whether ``sub``, a forward body of ``eqn``, repeats one named before
+    from the same layer: ``(key, names, products)``, ``names`` those of the
+    earlier body's products, ``None`` where it is the first; ``None`` where
+    ``sub`` is not such a body.
+
+    JAX gives two calls of one ``jax.jit`` function in a loss one body, but
+    each call its own forward body in the gradient of the loss (the first
+    call's input has no tangent). A body is known by its op (and function
+    name) and its products (sites' layers, ops and source lines; none in a
+    nested body), so the calls keep the one name per product the loss gives
+    them. (A ``jax.checkpoint`` function called twice: the gradient runs
+    each call's forward outside any body, as if written out, so its second
+    call's products are sites the loss does not have.)"""
+    if backward or _is_backward(eqn) or eqn.primitive.name not in _CALLS:
+        return None
+    for e in sub.eqns:
+        for v in e.outvars:
+            names.producer[v] = e
+    # a `jax.jit` function's name (its products may have no source lines)
+    called = eqn.params.get("name") if isinstance(eqn.params.get("name"), str) else None
+    found = []
+    for e in sub.eqns:
+        if not _is_product(e):
+            if any(_has_products(b, names) for b in names.subs(e)):
+                return None
+            continue
+        if any(_zero(v, names) for v in e.invars):
+            continue
+        if _is_backward(e) or not (called or _frames(e, names)):
+            return None
+        found.append(e)
+    if not found:
+        return None
+    key = (
+        where,
+        eqn.primitive.name,
+        called,
+        tuple(
+            (
+                layer_of(e, scope),
+                e.primitive.name,
+                _frames(e, names),
+            )
+            for e in found
+        ),
+    )
+    return key, names.bodies.get(key), found
 
 
 # Ops whose result is their operands' and params' alone: a value computed
@@ -508,6 +656,148 @@ def _upstream(v: Any, names: _Names) -> Iterator[tuple[Any, int, _Taken]]:
             return
 
 
+# Ops whose result is zero where one operand is (``_ALL_ZERO``: where all are).
+_ANY_ZERO = frozenset(["mul", "dot_general", "conv_general_dilated"])
+_ALL_ZERO = frozenset(
+    [
+        *_THROUGH,
+        *("add", "add_any", "sub", "neg", "broadcast_in_dim", "expand_dims"),
+        *("slice", "dynamic_slice", "select_n", "reduce_sum", "concatenate"),
+    ]
+)
+
+
+def _zero(v: Any, names: _Names) -> bool:
+    """Whether ``v`` is all zeros by construction: a zero literal, or made
+    from one (a broadcast, a product with a zero, a sum of zeros; into a
+    body by a one to one binding): the zero tangent JAX makes where a
+    ``custom_jvp`` rule needs one for an input not differentiated."""
+    if type(v) is Literal:
+        try:
+            return bool(np.all(np.asarray(v.val) == 0))
+        except Exception:  # noqa: BLE001  (not a number)
+            return False
+    hit = names.zeros.get(v)
+    if hit is not None:
+        return hit
+    names.zeros[v] = False  # (while it is looked at)
+    eqn = names.producer.get(v)
+    found = False
+    if eqn is None:
+        bound = names.links.get(v, ())
+        found = len(bound) == 1 and bound[0][1] is None and _zero(bound[0][0], names)
+    elif eqn.primitive.name in _ANY_ZERO:
+        found = any(_zero(u, names) for u in eqn.invars)
+    elif eqn.primitive.name in _ALL_ZERO and eqn.invars:
+        operands = eqn.invars[1:] if eqn.primitive.name == "select_n" else eqn.invars
+        if eqn.primitive.name in ("dynamic_slice",):
+            operands = eqn.invars[:1]
+        found = all(_zero(u, names) for u in operands)
+    names.zeros[v] = found
+    return found
+
+
+def _has_products(jaxpr: Jaxpr, names: _Names) -> bool:
+    """Whether ``jaxpr`` or a body in it holds a product."""
+    hit = names.holds.get(id(jaxpr))
+    if hit is None:
+        names.holds[id(jaxpr)] = False  # (while it is looked at)
+        hit = any(
+            _is_product(e) or any(_has_products(b, names) for b in names.subs(e))
+            for e in jaxpr.eqns
+        )
+        names.holds[id(jaxpr)] = hit
+    return hit
+
+
+def _live(jaxpr: Jaxpr, wanted: tuple[bool, ...], names: _Names) -> tuple[bool, ...]:
+    """Adds to ``names.live`` the ids of the products of ``jaxpr`` (and of
+    its bodies) whose results reach one of its ``wanted`` outvars (or an
+    effect); returns which of its invars do. Into a body by position, as
+    :func:`_bindings` binds it (a ``scan``'s carry until no more of it is
+    used; a ``custom_jvp``/``custom_vjp`` call's rules may read any of its
+    operands, a ``while``'s or another body's carry are all taken as used)."""
+    memo = names.used
+    key = (id(jaxpr), wanted)
+    hit = memo.get(key)
+    if hit is not None:
+        return hit
+    live = names.live
+    used = {
+        v
+        for v, w in zip(jaxpr.outvars, wanted, strict=True)
+        if w and type(v) is not Literal
+    }
+    for eqn in reversed(jaxpr.eqns):
+        outvars = eqn.outvars
+        if eqn.effects:
+            outs = (True,) * len(outvars)
+        elif len(outvars) == 1:
+            if outvars[0] not in used:
+                continue
+            outs = (True,)
+        else:
+            outs = tuple(o in used for o in outvars)
+            if not any(outs):
+                continue
+        subs = names.subs(eqn)
+        if not subs:
+            if _is_product(eqn):
+                live.add(id(eqn))
+            used.update(v for v in eqn.invars if type(v) is not Literal)
+            continue
+        ins = _live_operands(eqn, outs, subs, names)
+        used.update(
+            v
+            for v, u in zip(eqn.invars, ins, strict=True)
+            if u and type(v) is not Literal
+        )
+    out = memo[key] = tuple(v in used for v in jaxpr.invars)
+    return out
+
+
+def _live_operands(
+    eqn: JaxprEqn, outs: tuple[bool, ...], subs: list[Jaxpr], names: _Names
+) -> tuple[bool, ...]:
+    """Of a higher-order ``eqn`` whose ``outs`` are used, which operands are
+    (its bodies, ``subs``: their products marked live)."""
+    name = eqn.primitive.name
+    n = len(eqn.invars)
+    every = (True,) * n
+    if name == "scan" and len(subs) == 1:
+        body = subs[0]
+        consts, carry = _compat.scan_layout(eqn.params)
+        if len(body.invars) == n and len(body.outvars) == len(outs):
+            want = outs
+            while True:
+                ins = _live(body, want, names)
+                more = tuple(
+                    w or ins[consts + i] if i < carry else w for i, w in enumerate(want)
+                )
+                if more == want:
+                    return ins
+                want = more
+    if name == "cond":
+        found: list[bool] = [True] + [False] * (n - 1)
+        for sub in subs:
+            if len(sub.invars) != n - 1 or len(sub.outvars) != len(outs):
+                _live(sub, (True,) * len(sub.outvars), names)
+                found = list(every)
+                continue
+            for i, u in enumerate(_live(sub, outs, names)):
+                found[1 + i] = found[1 + i] or u
+        return tuple(found)
+    if name in _POSITIONAL and len(subs) == 1:
+        sub = subs[0]
+        if len(sub.invars) == n and len(sub.outvars) == len(outs):
+            ins = _live(sub, outs, names)
+            # a custom rule may read what the function does not
+            return every if name.startswith("custom_") else ins
+    for sub in subs:
+        _live(sub, (True,) * len(sub.outvars), names)
+    return every
+
+
 # Higher-order primitives whose bodies' invars are their operands and whose
 # outvars are their bodies' outvars, position by position (a ``scan``'s
 # body reads consts, carry and one slice of each xs, and returns the carry
@@ -528,12 +818,15 @@ _POSITIONAL = frozenset(
 )
 
 
-def _bindings(eqn: JaxprEqn) -> list[tuple[Jaxpr, Sequence[Any], Sequence[Any]]]:
+def _bindings(
+    eqn: JaxprEqn, subs: list[Jaxpr] | None = None
+) -> list[tuple[Jaxpr, Sequence[Any], Sequence[Any]]]:
     """Per body in ``eqn``'s parameters: the body, the operands its invars
     are bound to and the outvars of ``eqn`` its outvars are bound to (empty
     where they are not bound by position)."""
     name = eqn.primitive.name
-    subs = _sub_jaxprs(eqn)
+    if subs is None:
+        subs = _sub_jaxprs(eqn)
     if not subs:
         return []
     if name == "cond":

@@ -57,6 +57,7 @@ from mixprec._src.autocast import api, fusions, interpreter as itp
 from mixprec._src.autocast.config import make_config
 from mixprec._src.autocast.mixlist import load_spec
 from mixprec._src.autocast.ops import OpLists
+from mixprec._src.autocast.sites import is_unused
 from mixprec._src.autocast.walk import Walk
 from mixprec._src.numerics import plan as plan_advice
 from mixprec._src.numerics.advice import (
@@ -698,6 +699,8 @@ class _Comparer:
         in32 = self.read(eqn.invars)
         out32 = itp.bind_as_written(eqn, in32)
         self.seed(eqn.outvars, out32)
+        if is_unused(walk.sites, eqn):
+            return  # a product whose result is used nowhere does not run
         self._compare(walk, eqn, decision, ran_with, in32, invals, out32, outs, rerun)
 
     # -- comparing ------------------------------------------------------------

@@ -551,6 +551,8 @@ class Recorder:
         rerun: Any = None,
     ) -> None:
         del invals, rerun
+        if id(eqn) in getattr(getattr(walk, "sites", None), "dead", ()):
+            return  # a product whose result is used nowhere (`sites.is_unused`)
         self.records.append(
             OpRecord.observed(
                 walk, eqn, decision, ran_with, outs, index=len(self.records)
