@@ -258,10 +258,10 @@ def _assert_float8_close(tree, reference):
 MODELS = {"haiku": _haiku_model, "equinox": _equinox_model, "nnx": _nnx_model}
 
 # A plan file as a user writes it for each library, over the layer paths it
-# gives its products: Haiku's module names; Equinox's class names (its
-# products are told apart by index); Flax NNX names no module in the name
-# stack (its layer path is "", its products told apart by index). Each keeps
-# the last layer in float32 and runs the others in float8.
+# gives its products: Haiku's module names; Equinox and Flax NNX, whose name
+# stacks name no layer of the user's, the paths of the parameters the
+# products read. Each keeps the last layer in float32 and runs the others in
+# float8.
 _FILES = {
     "haiku": {
         "format": 1,
@@ -279,22 +279,17 @@ _FILES = {
         "format": 1,
         "base": "mixed_bfloat16",
         "sites": [
-            {
-                "layer": "eqx.nn.Linear",
-                "op": "dot_general",
-                "index": 2,
-                "policy": "float32",
-            }
+            {"layer": "layers/2", "op": "dot_general", "index": 0, "policy": "float32"}
         ],
-        "rules": [{"layers": r"eqx\.nn\.Linear", "policy": "mixed_float8"}],
+        "rules": [{"layers": "layers/.*", "policy": "mixed_float8"}],
     },
     "nnx": {
         "format": 1,
         "base": "mixed_float8",
-        "sites": [{"layer": "", "op": "dot_general", "index": 2, "policy": "float32"}],
+        "rules": [{"layers": "head", "policy": "float32"}],
     },
 }
-_LAST = {"haiku": ("mlp/linear_2", 0), "equinox": ("eqx.nn.Linear", 2), "nnx": ("", 2)}
+_LAST = {"haiku": ("mlp/linear_2", 0), "equinox": ("layers/2", 0), "nnx": ("head", 0)}
 
 
 @pytest.mark.parametrize("library", sorted(MODELS))
@@ -906,9 +901,14 @@ def test_a_jitted_layer_called_from_two_layers_is_a_site_in_each():
         assert op.in_dtypes == (want, want), op
 
 
-def test_a_rule_over_an_nnx_models_layer_names_says_how_to_name_its_sites():
-    loss, model, _ = _nnx_model()
-    x, y = _batch()
+def test_a_rule_over_layers_without_a_path_says_how_to_name_their_sites():
+    # No scope names these products and no argument leaf with a path is
+    # read (the weights are the arguments themselves).
+    def loss(a, b, x):
+        return jnp.mean(jnp.tanh(x @ a) @ b)
+
+    w = jnp.ones((_D, _D)) / _D
+    x, _ = _batch()
     plan = mixprec.Plan.from_dict(
         {
             "format": 1,
@@ -919,7 +919,7 @@ def test_a_rule_over_an_nnx_models_layer_names_says_how_to_name_its_sites():
     with pytest.warns(
         PlanWarning, match=r"rules\[0\].*no layer path.*\"sites\" by index"
     ):
-        mixprec.autocast(loss, plan)(model, x, y)
+        mixprec.autocast(loss, plan)(w, w, x)
 
 
 @pytest.mark.parametrize(

@@ -80,7 +80,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
 
 from mixprec._src import _compat
-from mixprec._src.autocast import ops
+from mixprec._src.autocast import arg_paths, ops
 from mixprec._src.numerics.record import layer_path
 
 
@@ -104,6 +104,41 @@ def layer_of(eqn: JaxprEqn, scope: str = "") -> str:
     stack = _compat.eqn_name_stack(eqn.source_info)
     full = f"{scope}/{stack}" if scope and stack else scope or stack
     return _compat.without_rematerialized(layer_path(full))
+
+
+def unnamed(layer: str) -> bool:
+    """Whether a name-stack ``layer`` names no layer of the user's: none, or
+    only Equinox's own class scopes (``eqx.nn.Linear``,
+    ``eqx.nn.MLP/eqx.nn.Linear``: every linear of a model is one)."""
+    return not layer or all(p.startswith("eqx.") for p in layer.split("/"))
+
+
+def param_layer(eqn: JaxprEqn, layer: str, names: _Names) -> str:
+    """The layer of the product ``eqn`` whose name stack gives ``layer``:
+    ``layer``, unless it is :func:`unnamed` and an operand reaches (through
+    reshapes, transposes, converts and bodies' boundaries) a leaf of the
+    traced function's arguments with a path: then that path, its last key
+    (the leaf's own: ``kernel``, ``weight``) dropped where it has more than
+    one (``layers/0/linear/kernel``: ``layers/0/linear``). Of several, an
+    ``nnx.Param`` first, then the longest path, then the later operand
+    (``x @ w``); a product reading none keeps ``layer``."""
+    if not names.args or not unnamed(layer):
+        return layer
+    best: tuple[bool, int, int] | None = None
+    found = ""
+    for pos, v in enumerate(eqn.invars):
+        for u, _, _ in _upstream(v, names):
+            hit = names.args.get(u)
+            if hit is None:
+                continue
+            path, is_param = hit
+            rank = (is_param, path.count("/"), pos)
+            if best is None or rank > best:
+                best, found = rank, path
+            break
+    if not found:
+        return layer
+    return found.rsplit("/", 1)[0] if "/" in found else found
 
 
 def _is_product(eqn: JaxprEqn) -> bool:
@@ -176,6 +211,7 @@ def name_sites(
     if hit is not None:
         return hit
     names = _Names()
+    names.args = arg_paths.of(jaxpr) if not scope else {}
     _live(jaxpr, (True,) * len(jaxpr.outvars), names)
     out = _Sites(dead=names.dead)
     _name(jaxpr, scope, backward, names, out)
@@ -224,7 +260,7 @@ def _covered(
                 continue
             return None
         layer = layer_of(eqn, scope)
-        if any(not _same_layer(k[0], layer) for k in keys):
+        if not unnamed(layer) and any(not _same_layer(k[0], layer) for k in keys):
             return None
         found = True
     return found
@@ -260,6 +296,7 @@ class _Names:
 
     __slots__ = (
         "counts",
+        "args",
         "bodies",
         "bodies_of",
         "dead",
@@ -275,6 +312,7 @@ class _Names:
         "reads",
         "replay",
         "same",
+        "stack",
         "used",
         "zeros",
         "visited",
@@ -282,6 +320,11 @@ class _Names:
 
     def __init__(self) -> None:
         self.counts: dict[tuple[str, str], int] = {}
+        # the traced function's argument leaves with a path, by invar (of
+        # the program's top jaxpr), and the name-stack layer of each forward
+        # site named by one (`param_layer`)
+        self.args: dict[Any, arg_paths.ArgPath] = {}
+        self.stack: dict[SiteKey, str] = {}
         # per body, the layers (and passes) it was named from
         self.visited: dict[int, set[tuple[str, bool]]] = {}
         # per layer and op, its forward products (for those not traced back)
@@ -364,12 +407,15 @@ def _name(jaxpr: Jaxpr, scope: str, backward: bool, names: _Names, out: _Sites) 
         layer = layer_of(eqn, scope)
         op = eqn.primitive.name
         if not (backward or _is_backward(eqn)):
+            site = param_layer(eqn, layer, names)
             if names.replay:  # a body that repeats one named before
                 key: SiteKey = names.replay.pop(0)
             else:
-                index = names.counts.get((layer, op), 0)
-                names.counts[(layer, op)] = index + 1
-                key = (layer, op, index)
+                index = names.counts.get((site, op), 0)
+                names.counts[(site, op)] = index + 1
+                key = (site, op, index)
+            if site != layer:
+                names.stack[key] = layer
             out[id(eqn)] = (key,)
             names.forward.setdefault((layer, op), []).append((key, eqn))
             names.reads.append((key, eqn))
@@ -389,7 +435,7 @@ def _name(jaxpr: Jaxpr, scope: str, backward: bool, names: _Names, out: _Sites) 
                 for k, more, theirs in names.read_by.get(u, ()):
                     if k[1] != op:
                         continue
-                    rank = (int(k[0] != layer), hops + more)
+                    rank = (int(names.stack.get(k, k[0]) != layer), hops + more)
                     if best is not None and rank > best:
                         continue
                     if theirs and taken and _joined(taken, theirs) is None:
@@ -408,7 +454,9 @@ def _name(jaxpr: Jaxpr, scope: str, backward: bool, names: _Names, out: _Sites) 
             found = _same_lines(eqn, mine, names) or found
         elif not found:
             found = _same_lines(eqn, forward, names)
-        out[id(eqn)] = tuple(found) if found else ((layer, op, None),)
+        if not found:
+            found = [(param_layer(eqn, layer, names), op, None)]
+        out[id(eqn)] = tuple(found)
 
 
 # Calls whose bodies stay bodies in the gradient of a loss (a custom_jvp or
@@ -463,7 +511,7 @@ def _again(
         called,
         tuple(
             (
-                layer_of(e, scope),
+                param_layer(e, layer_of(e, scope), names),
                 e.primitive.name,
                 _frames(e, names),
             )
@@ -505,7 +553,7 @@ def _recomputed(eqn: JaxprEqn, op: str, layer: str, names: _Names) -> list[SiteK
             for k in names.same.get(_number(v, names), ())
             if k[1] == op and k not in found
         ]
-    mine = [k for k in found if k[0] == layer]
+    mine = [k for k in found if names.stack.get(k, k[0]) == layer]
     return mine or found
 
 
@@ -894,4 +942,10 @@ def _program_sites(jaxpr: Jaxpr, scope: str) -> frozenset[tuple[str, str]]:
 def program_sites(jaxpr: Jaxpr, scope: str = "") -> frozenset[tuple[str, str]]:
     """``(layer, op)`` of every product of ``jaxpr`` and of the jaxprs in its
     equations' parameters (for checking a plan's rules against a program)."""
-    return _program_sites(jaxpr, scope)
+    if scope or not arg_paths.of(jaxpr):
+        return _program_sites(jaxpr, scope)
+    # Some are named by the parameters they read: as the naming has them.
+    named = name_sites(jaxpr)
+    # (every visit shares the first naming's table of visits)
+    every = [named, *(v for vs in getattr(named, "visits", {}).values() for v in vs)]
+    return frozenset((k[0], k[1]) for s in every for keys in s.values() for k in keys)
