@@ -39,11 +39,19 @@ The default sizes are the demo's (2 blocks, d_model 128, 4 heads of 32,
 sequence 64): there the per-head products and the output layer are under
 the float8 recipe's ``min_dim`` (128). ``--layers``, ``--d-model``,
 ``--heads`` and ``--seq`` give real LM shapes, every product but the output
-layer at or over it (``benchmarks/results/plan_cpu_deep.json``)::
+layer at or over it; ``--folded`` divides the fragile layer's weight by the
+gain in the forward instead of at initialisation, so that it trains in
+float32 as the unmodified LM does (``benchmarks/results/plan_cpu_deep*``)::
 
     python benchmarks/bench_plan.py --layers 4 --d-model 256 --heads 2 \
-        --seq 128 --batch 16 --steps 300 --lr 1e-3 --massive 1e6 \
-        --out benchmarks/results/plan_cpu_deep.json
+        --seq 128 --batch 16 --steps 250 --lr 1e-3 --massive 1e6 --folded \
+        --no-unmodified --out benchmarks/results/plan_cpu_deep_folded.json
+    python benchmarks/bench_plan.py --layers 4 --d-model 256 --heads 2 \
+        --seq 128 --batch 16 --steps 250 --lr 1e-3 --massive 1 \
+        --no-unmodified --variants mixed_bfloat16,mixed_float8 \
+        --out benchmarks/results/plan_cpu_deep_unmodified.json
+
+(``--massive 1`` is the unmodified LM.)
 
 ``--plan-only`` measures the plan once, prints each site's effects and the
 warm step time of float32 and all-float8, and trains nothing (a quick look at
@@ -81,7 +89,13 @@ TORCHAO_N, TORCHAO_K = 2048, 1024  # skip a product when N <= 2048 or K <= 1024
 
 
 def make_model(
-    vocab: int, d_model: int, layers: int, seq: int, massive: float, heads: int = 4
+    vocab: int,
+    d_model: int,
+    layers: int,
+    seq: int,
+    massive: float,
+    heads: int = 4,
+    folded: bool = False,
 ):
     config = models.LMConfig(
         vocab_size=vocab,
@@ -102,9 +116,12 @@ def make_model(
                 x = x + models._attention(block, h, config.num_heads, models._lax_dot)
             with jax.named_scope(f"block_{i}/mlp"):
                 h = models._layer_norm(block["ln_2"], x)
+                fc = block["fc"]
                 if i == last:
                     h = h * gain[None, None, :]  # the massive channels
-                h = jax.nn.gelu(models.dense(block["fc"], h))
+                    if folded:  # the weights' 1 / massive, a constant here
+                        fc = dict(fc, kernel=fc["kernel"] / gain[:, None])
+                h = jax.nn.gelu(models.dense(fc, h))
                 x = x + models.dense(block["fc_out"], h)
         with jax.named_scope("head"):
             return models.dense(params["head"], models._layer_norm(params["ln_f"], x))
@@ -116,8 +133,9 @@ def make_model(
 
     def init(key):
         params = models.lm_init(key, config)
-        fc = params["blocks"][last]["fc"]
-        fc["kernel"] = fc["kernel"].at[:4].multiply(1 / massive)
+        if not folded:
+            fc = params["blocks"][last]["fc"]
+            fc["kernel"] = fc["kernel"].at[:4].multiply(1 / massive)
         return params
 
     return config, loss_fn, init
@@ -240,7 +258,13 @@ def run_model(args, text, massive, label):
     """Plan at seed 0's initialisation, then train every variant per seed."""
     vocab = len(text.vocab)
     config, loss_fn, init = make_model(
-        vocab, args.d_model, args.layers, args.seq, massive, args.heads
+        vocab,
+        args.d_model,
+        args.layers,
+        args.seq,
+        massive,
+        args.heads,
+        args.folded and massive != 1.0,
     )
     vit = data.iterate_sequences(text.valid, args.batch, args.seq, seed=1000)
     valid = [tuple(jnp.asarray(a) for a in next(vit)) for _ in range(args.eval_batches)]
@@ -305,6 +329,13 @@ def run_model(args, text, massive, label):
     ]
     if torchao_trained:
         variants.append(("torchao_rule", torchao_plan))
+    # A plan that runs every site as all-float8 does is all-float8's program.
+    plan_is_float8 = all(plan_runs.get(k) == f8_runs.get(k) for k in flops)
+    variants = [
+        (name, policy)
+        for name, policy in variants
+        if name in args.variants and not (name == "plan" and plan_is_float8)
+    ]
     eval_loss = jax.jit(loss_fn)
     results = {name: {"seeds": []} for name, _ in variants}
     step_time = None
@@ -333,6 +364,8 @@ def run_model(args, text, massive, label):
         results["torchao_rule"] = dict(
             results["mixed_bfloat16"], same_program_as="mixed_bfloat16"
         )
+    if plan_is_float8:
+        results["plan"] = dict(results["mixed_float8"], same_program_as="mixed_float8")
     for r in results.values():
         evs = [x["eval_loss"] for x in r["seeds"]]
         r.update(eval_mean=float(np.mean(evs)), eval_min=min(evs), eval_max=max(evs))
@@ -396,6 +429,7 @@ def run_model(args, text, massive, label):
             "batch": args.batch,
             "massive_layer": f"block_{args.layers - 1}/mlp product 0",
             "massive": massive,
+            "folded": bool(args.folded and massive != 1.0),
             "params": config.num_params,
         },
         "results": results,
@@ -420,8 +454,12 @@ def render(label, r):
         ("mixed_float8", "mixed_float8"),
         ("plan", "plan"),
     ):
-        x = results[name]
+        x = results.get(name)
+        if x is None:  # not run (--variants)
+            continue
         per = ", ".join(f"{s['eval_loss']:.4f}" for s in x["seeds"])
+        if x.get("same_program_as"):
+            per = f"(= {x['same_program_as']}: the same program) {per}"
         f8 = "" if key is None else f"{summary['float8_flop_share'][key]:.1%}"
         up = (
             "1.00x"
@@ -482,9 +520,14 @@ def render(label, r):
     b = summary["plan_breakdown"]
     rows += [
         "",
-        f"mixprec.plan took {summary['plan_seconds']:.1f} s = "
-        f"{summary['plan_cost_in_steps']:.0f} float32 training steps "
-        f"({summary['float32_step_seconds'] * 1e3:.1f} ms each): "
+        f"mixprec.plan took {summary['plan_seconds']:.1f} s"
+        + (
+            f" = {summary['plan_cost_in_steps']:.0f} float32 training steps "
+            f"({summary['float32_step_seconds'] * 1e3:.1f} ms each)"
+            if summary["float32_step_seconds"]
+            else ""
+        )
+        + ": "
         f"{b['explain_runs']} explain {b['explain_seconds']:.1f} s, "
         f"{b['diagnose_runs']} diagnose {b['diagnose_seconds']:.1f} s, "
         f"the measuring program's autocast trace, one compile and its float32 "
@@ -515,6 +558,20 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--eval-batches", type=int, default=8)
     ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--variants",
+        type=lambda v: v.split(","),
+        default=["float32", "mixed_bfloat16", "mixed_float8", "plan"],
+        help="comma-separated subset to train (mixed_bfloat16 and mixed_float8 "
+        "are needed; a plan that runs as all-float8 is not trained again)",
+    )
+    ap.add_argument(
+        "--folded",
+        action="store_true",
+        help="the fragile layer's weights are divided by the gain in the forward "
+        "(a constant), not scaled at initialisation: its float32 product and "
+        "training are the unmodified LM's, its float8 operands still massive",
+    )
     ap.add_argument(
         "--plan-only",
         action="store_true",
