@@ -435,6 +435,16 @@ def dequantize(q: ArrayLike, scale: ArrayLike, dtype: DTypeLike) -> jax.Array:
     return jnp.asarray(q).astype(dtype) * jnp.asarray(scale).astype(dtype)
 
 
+@jax.jit(static_argnums=(1, 2))
+def _scaled_and_cast(x: Any, fmt: str, axes: tuple[int, ...] | None) -> tuple[Any, Any]:
+    # One compiled program per shape and format: diagnose and mixprec.plan
+    # count every product's operands, and op by op each shape compiled the
+    # scaling's several ops one by one.
+    y, _ = _scaled(x, np.dtype(fmt), axes)
+    big = np.float32(format_max(fmt))
+    return y, lax.clamp(-big, y, big).astype(fmt)
+
+
 def quantization_counts(
     x: ArrayLike, fmt: DTypeLike, axes: Sequence[int] | None = None
 ) -> tuple[int, int, int]:
@@ -450,9 +460,8 @@ def quantization_counts(
         (0, 1, 4)
     """
     fmt = np.dtype(fmt)
-    y, _ = _scaled(x, fmt, axes)
-    big = np.float32(format_max(fmt))
-    q = np.asarray(lax.clamp(-big, y, big).astype(fmt), np.float64)
+    y, q = _scaled_and_cast(x, fmt.name, None if axes is None else tuple(axes))
+    q = np.asarray(q, np.float64)
     y64 = np.asarray(y, np.float64)
     x64 = np.asarray(jnp.asarray(x).astype(_F32), np.float64)
     finite = np.isfinite(x64)
