@@ -63,6 +63,7 @@ is all-bfloat16's program, and its row repeats that one.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pathlib
@@ -195,18 +196,19 @@ def train(loss_fn, params, batches, policy, lr):
     return params, losses, step, state
 
 
-def timed_plan(loss_fn, params, batch):
-    """``mixprec.plan(loss_fn, params, batch)`` and where its time goes.
-
-    Wraps (for the duration of the call only) the ``explain`` and
-    ``diagnose`` runs and the one compiled measuring program: its first run
-    (trace, compile and the float32 reference, every site at float32) and
-    each later run (one site alone at one candidate, chosen by an argument).
+@contextlib.contextmanager
+def timed_phases(mod=planner):
+    """Times, for the duration of the block only, each ``explain`` and
+    ``diagnose`` run, each run of the one compiled measuring program
+    (``mod._switched``; ``mod`` a version of ``numerics/plan.py``) and, where
+    ``mod._Switch`` has them, its op measurements; yields
+    ``{"explain" | "diagnose" | "measure" | "op_measurements": [seconds]}``.
     """
     from mixprec._src.numerics import diagnose as diag_mod, explain as expl_mod
 
-    parts = {"explain": [], "diagnose": [], "measure": []}
-    saved = (expl_mod.explain, diag_mod.diagnose, planner._switched)
+    parts = {"explain": [], "diagnose": [], "measure": [], "op_measurements": []}
+    saved = (expl_mod.explain, diag_mod.diagnose, mod._switched)
+    op_measurements = getattr(mod._Switch, "op_measurements", None)
 
     def timed(name, f):
         def g(*a, **k):
@@ -222,13 +224,28 @@ def timed_plan(loss_fn, params, batch):
 
     expl_mod.explain = timed("explain", saved[0])
     diag_mod.diagnose = timed("diagnose", saved[1])
-    planner._switched = switched
+    mod._switched = switched
+    if op_measurements is not None:
+        mod._Switch.op_measurements = timed("op_measurements", op_measurements)
     try:
+        yield parts
+    finally:
+        expl_mod.explain, diag_mod.diagnose, mod._switched = saved
+        if op_measurements is not None:
+            mod._Switch.op_measurements = op_measurements
+
+
+def timed_plan(loss_fn, params, batch):
+    """``mixprec.plan(loss_fn, params, batch)`` and where its time goes
+    (:func:`timed_phases`): the ``explain`` and ``diagnose`` runs and the one
+    compiled measuring program: its first run (trace, compile and the float32
+    reference, every site at float32) and each later run (one site alone at
+    one candidate, chosen by an argument).
+    """
+    with timed_phases() as parts:
         t0 = time.perf_counter()
         plan = mixprec.plan(loss_fn, params, batch)
         seconds = time.perf_counter() - t0
-    finally:
-        expl_mod.explain, diag_mod.diagnose, planner._switched = saved
     first, *sites = parts["measure"] or [0.0]
     breakdown = {
         "explain_runs": len(parts["explain"]),

@@ -56,14 +56,10 @@ for p in (_ROOT, _HERE):
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from bench_plan import make_model  # noqa: E402
+from bench_plan import make_model, timed_phases  # noqa: E402
 
 import mixprec  # noqa: E402
-from mixprec._src.numerics import (  # noqa: E402
-    diagnose as diagnose_mod,
-    explain as explain_mod,
-    plan as planner,
-)
+from mixprec._src.numerics import plan as planner  # noqa: E402
 from mixprec._src.plan import Plan, Site  # noqa: E402
 from mixprec._src.policy import get_policy  # noqa: E402
 from mixprec._src.workloads import data, timing  # noqa: E402
@@ -191,41 +187,14 @@ def measuring(mod, loss_fn, keys, params, batch, shares=True, records=True):
 def timed_plan(loss_fn, params, batch, clock, mod=planner):
     """``mod.plan(loss_fn, params, batch)`` (``mod`` a version of
     ``numerics/plan.py``) and where its time goes."""
-    parts = {"explain": [], "diagnose": [], "measure": [], "op_measurements": []}
-    saved = (
-        explain_mod.explain,
-        diagnose_mod.diagnose,
-        mod._switched,
-        getattr(mod._Switch, "op_measurements", None),
-    )
-
-    def timed(name, f):
-        def g(*a, **k):
-            t = time.perf_counter()
-            out = f(*a, **k)
-            parts[name].append(time.perf_counter() - t)
-            return out
-
-        return g
-
-    def switched(*a, **k):
-        return timed("measure", saved[2](*a, **k))
-
-    explain_mod.explain = timed("explain", saved[0])
-    diagnose_mod.diagnose = timed("diagnose", saved[1])
-    mod._switched = switched
-    if saved[3] is not None:
-        mod._Switch.op_measurements = timed("op_measurements", saved[3])
-    try:
+    with timed_phases(mod) as parts:
         clock.start()
-        t0 = time.perf_counter()
-        plan = mod.plan(loss_fn, params, batch, candidates=NAMES)
-        seconds = time.perf_counter() - t0
-    finally:
-        compiles = clock.stop()
-        explain_mod.explain, diagnose_mod.diagnose, mod._switched = saved[:3]
-        if saved[3] is not None:
-            mod._Switch.op_measurements = saved[3]
+        try:
+            t0 = time.perf_counter()
+            plan = mod.plan(loss_fn, params, batch, candidates=NAMES)
+            seconds = time.perf_counter() - t0
+        finally:
+            compiles = clock.stop()
     first, *runs = parts["measure"] or [0.0]
     return (
         plan,
