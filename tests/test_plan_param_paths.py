@@ -14,20 +14,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_tree_dtypes, executed_lines
+from helpers import assert_tree_dtypes
+from plan_models import F8, D, batch, equinox_mlp, hlo_dots
 
 import mixprec
 from mixprec._src.autocast.walk import PlanWarning
 
 
-_D = 128  # every product at or over the float8 recipe's min_dim
-_F8 = {"float8_e4m3fn": "f8E4M3FN", "float8_e5m2": "f8E5M2"}
-_HLO = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", **_F8}
-
-
-def _batch(n=128):
-    k1, k2 = jax.random.split(jax.random.key(1))
-    return jax.random.normal(k1, (n, _D)), jax.random.normal(k2, (n, _D))
+_HLO = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", **F8}
 
 
 def _nnx_blocks(n=3):
@@ -35,8 +29,8 @@ def _nnx_blocks(n=3):
 
     class Block(nnx.Module):
         def __init__(self, rngs):
-            self.up = nnx.Linear(_D, _D, rngs=rngs)
-            self.down = nnx.Linear(_D, _D, rngs=rngs)
+            self.up = nnx.Linear(D, D, rngs=rngs)
+            self.down = nnx.Linear(D, D, rngs=rngs)
 
         def __call__(self, x):
             return x + self.down(jnp.tanh(self.up(x)))
@@ -44,7 +38,7 @@ def _nnx_blocks(n=3):
     class Net(nnx.Module):
         def __init__(self, rngs):
             self.blocks = nnx.List([Block(rngs) for _ in range(n)])
-            self.head = nnx.Linear(_D, _D, rngs=rngs)
+            self.head = nnx.Linear(D, D, rngs=rngs)
 
         def __call__(self, x):
             for block in self.blocks:
@@ -57,27 +51,6 @@ def _nnx_blocks(n=3):
     return loss, Net(nnx.Rngs(0))
 
 
-def _equinox_mlp():
-    eqx = pytest.importorskip("equinox")
-
-    class Model(eqx.Module):
-        layers: list
-
-        def __init__(self, key):
-            keys = jax.random.split(key, 3)
-            self.layers = [eqx.nn.Linear(_D, _D, key=k) for k in keys]
-
-        def __call__(self, x):
-            for layer in self.layers[:-1]:
-                x = jnp.tanh(layer(x))
-            return self.layers[-1](x)
-
-    def loss(model, x, y):
-        return jnp.mean((jax.vmap(model)(x) - y) ** 2)
-
-    return loss, Model(jax.random.key(0))
-
-
 def _sites(fn, *args, policy=None):
     """``(site, backward)`` of each product explain reports."""
     policy = mixprec.Plan("mixed_bfloat16") if policy is None else policy
@@ -88,18 +61,6 @@ def _sites(fn, *args, policy=None):
     return found
 
 
-def _hlo_dots(fn, *args):
-    """The operand element types of each ``dot_general`` the cuda export of
-    ``fn`` executes."""
-    text = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
-    dots = []
-    for line in executed_lines(text):
-        if "stablehlo.dot_general" in line:
-            ins = line.rsplit(" : ", 1)[1].split(" -> ")[0]
-            dots.append(tuple(re.findall(r"tensor<(?:[\d?]+x)*(\w+)>", ins)))
-    return dots
-
-
 _NNX_LAYERS = [f"blocks/{i}/{p}" for i in range(3) for p in ("up", "down")] + ["head"]
 _EQX_LAYERS = ["layers/0", "layers/1", "layers/2"]
 
@@ -108,7 +69,7 @@ def test_nnx_sites_are_named_by_the_parameters_they_read():
     from flax import nnx
 
     loss, model = _nnx_blocks()
-    x, y = _batch()
+    x, y = batch()
     sites = _sites(nnx.grad(loss), model, x, y)
     forward = [s for s, back in sites if not back]
     assert forward == [(ly, "dot_general", 0) for ly in _NNX_LAYERS]
@@ -119,8 +80,8 @@ def test_nnx_sites_are_named_by_the_parameters_they_read():
 
 def test_equinox_sites_are_named_by_the_parameters_they_read():
     eqx = pytest.importorskip("equinox")
-    loss, model = _equinox_mlp()
-    x, y = _batch()
+    loss, model = equinox_mlp()
+    x, y = batch()
     sites = _sites(eqx.filter_grad(loss), model, x, y)
     forward = [s for s, back in sites if not back]
     assert forward == [(ly, "dot_general", 0) for ly in _EQX_LAYERS]
@@ -157,7 +118,7 @@ def test_the_whole_step_has_the_sites_of_its_loss():
     from flax import nnx
 
     loss, model = _nnx_blocks()
-    x, y = _batch()
+    x, y = batch()
     opt = nnx.Optimizer(nnx.clone(model), optax.sgd(0.1), wrt=nnx.Param)
     alone = _sites(nnx.grad(loss), model, x, y)
     whole = _sites(_nnx_step(loss), nnx.clone(model), opt, x, y)
@@ -174,8 +135,8 @@ def test_the_whole_step_has_the_sites_of_its_loss():
 
 def test_the_whole_equinox_step_has_the_sites_of_its_loss():
     eqx = pytest.importorskip("equinox")
-    loss, model = _equinox_mlp()
-    x, y = _batch()
+    loss, model = equinox_mlp()
+    x, y = batch()
     tx = optax.sgd(0.1)
 
     def step(model, state, x, y):
@@ -218,9 +179,9 @@ def test_a_rules_only_file_targets_the_layers_its_regexes_name(library, tmp_path
         grad, doc, wide = nnx.grad, _NNX_FILE, re.compile("blocks/1/.*|head")
     else:
         eqx = pytest.importorskip("equinox")
-        loss, model = _equinox_mlp()
+        loss, model = equinox_mlp()
         grad, doc, wide = eqx.filter_grad, _EQX_FILE, re.compile("layers/2")
-    x, y = _batch()
+    x, y = batch()
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(doc, indent=2))
     plan = mixprec.Plan.load(path)
@@ -238,7 +199,7 @@ def test_a_rules_only_file_targets_the_layers_its_regexes_name(library, tmp_path
             want = ("float8_e5m2" if op.backward else "float8_e4m3fn", "float8_e4m3fn")
             assert op.in_dtypes == want, op
     explained = sorted(tuple(_HLO[t] for t in op.in_dtypes) for op in ops)
-    assert sorted(_hlo_dots(mixprec.autocast(fn, plan), model, x, y)) == explained
+    assert sorted(hlo_dots(mixprec.autocast(fn, plan), model, x, y)) == explained
     g = jax.jit(mixprec.autocast(fn, plan))(model, x, y)
     leaves = [a for a in jax.tree.leaves(g) if isinstance(a, jax.Array)]
     assert_tree_dtypes(leaves, jnp.float32)
@@ -247,7 +208,7 @@ def test_a_rules_only_file_targets_the_layers_its_regexes_name(library, tmp_path
 
 def test_a_rule_that_names_no_parameter_path_warns_with_the_closest():
     loss, model = _nnx_blocks()
-    x, y = _batch()
+    x, y = batch()
     plan = mixprec.Plan.from_dict(
         {
             "format": 1,
@@ -261,7 +222,7 @@ def test_a_rule_that_names_no_parameter_path_warns_with_the_closest():
 
 def test_a_measured_nnx_plan_names_its_sites_by_parameter_path(tmp_path):
     loss, model = _nnx_blocks(n=1)
-    x, y = _batch()
+    x, y = batch()
     plan = mixprec.plan(loss, model, x, y, candidates=("mixed_bfloat16", "float32"))
     assert [s.layer for s in plan.sites] == ["blocks/0/up", "blocks/0/down", "head"]
     assert "blocks/0/up" in str(plan)
@@ -279,9 +240,9 @@ def test_linen_and_haiku_sites_keep_their_module_paths():
     class Net(nn.Module):
         @nn.compact
         def __call__(self, x):
-            return nn.Dense(_D, name="b")(jnp.tanh(nn.Dense(_D, name="a")(x)))
+            return nn.Dense(D, name="b")(jnp.tanh(nn.Dense(D, name="a")(x)))
 
-    x, y = _batch(8)
+    x, y = batch(8)
     params = Net().init(jax.random.key(0), x)
 
     def linen_loss(p, x):
@@ -291,7 +252,7 @@ def test_linen_and_haiku_sites_keep_their_module_paths():
     assert {s[0] for s, _ in sites} == {"Net/a", "Net/b"}
 
     net = hk.without_apply_rng(
-        hk.transform(lambda x: hk.nets.MLP([_D, _D], name="mlp")(x))
+        hk.transform(lambda x: hk.nets.MLP([D, D], name="mlp")(x))
     )
     hparams = net.init(jax.random.key(0), x)
 
@@ -311,7 +272,7 @@ def test_a_named_scope_wins_over_the_parameter_path():
         with jax.named_scope("net"):
             return loss(model, x, y)
 
-    x, y = _batch(8)
+    x, y = batch(8)
     sites = _sites(nnx.grad(scoped), model, x, y)
     assert [s for s, back in sites if not back] == [
         ("net", "dot_general", i) for i in range(3)
@@ -323,7 +284,7 @@ def test_a_scanned_nnx_stack_is_one_site_per_parameter_of_its_body():
 
     class Block(nnx.Module):
         def __init__(self, rngs):
-            self.up = nnx.Linear(_D, _D, rngs=rngs)
+            self.up = nnx.Linear(D, D, rngs=rngs)
 
         def __call__(self, x):
             return jnp.tanh(self.up(x))
@@ -335,7 +296,7 @@ def test_a_scanned_nnx_stack_is_one_site_per_parameter_of_its_body():
     class Net(nnx.Module):
         def __init__(self):
             self.blocks = make(jax.random.split(jax.random.key(0), 3))
-            self.head = nnx.Linear(_D, _D, rngs=nnx.Rngs(1))
+            self.head = nnx.Linear(D, D, rngs=nnx.Rngs(1))
 
         def __call__(self, x):
             @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
@@ -347,7 +308,7 @@ def test_a_scanned_nnx_stack_is_one_site_per_parameter_of_its_body():
     def loss(model, x):
         return jnp.mean(model(x) ** 2)
 
-    x, _ = _batch(8)
+    x, _ = batch(8)
     sites = _sites(nnx.grad(loss), Net(), x)
     assert {s for s, _ in sites} == {
         ("blocks/up", "dot_general", 0),

@@ -18,6 +18,7 @@ import numpy as np
 import optax
 import pytest
 from helpers import assert_tree_dtypes, assert_trees_close, executed_lines
+from plan_models import F8, D, batch, equinox_mlp, hlo_dots
 
 import mixprec
 import mixprec.optax
@@ -60,18 +61,6 @@ def _dots(fn, *args, policy):
     return [(_site(op), op.backward, op.in_dtypes) for op in report.find("dot_general")]
 
 
-def _hlo_dots(fn, *args, platform="cuda"):
-    """The operand element types of each ``dot_general`` the lowered program
-    executes (a called function's once per call)."""
-    text = jax.export.export(jax.jit(fn), platforms=[platform])(*args).mlir_module()
-    dots = []
-    for line in executed_lines(text):
-        if "stablehlo.dot_general" in line:
-            ins = line.rsplit(" : ", 1)[1].split(" -> ")[0]
-            dots.append(tuple(re.findall(r"tensor<(?:[\d?]+x)*(\w+)>", ins)))
-    return dots
-
-
 _HLO = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
 
 
@@ -92,7 +81,7 @@ def test_a_site_in_the_other_16_bit_dtype_runs_in_it(low):
     assert len(dots) == 3 + 5
     for key, _, dtypes in dots:
         assert dtypes == ((site,) * 2 if key[0] == "l1" else (low,) * 2), dots
-    hlo = _hlo_dots(mixprec.autocast(fn, plan), w, x, y)
+    hlo = hlo_dots(mixprec.autocast(fn, plan), w, x, y)
     assert sorted(hlo) == sorted((_HLO[d[0]],) * 2 for _, _, d in dots)
     g = jax.jit(mixprec.autocast(fn, plan))(w, x, y)
     assert_tree_dtypes(g, jnp.float32)
@@ -176,19 +165,15 @@ def test_whole_train_step_with_a_float16_site_and_loss_scaled_optax():
 
 # ------------------------------------------- Haiku, Equinox and Flax NNX models
 
-_D = 128  # every product at or over the float8 recipe's min_dim
-
-_F8 = {"float8_e4m3fn": "f8E4M3FN", "float8_e5m2": "f8E5M2"}
-
 
 def _haiku_model():
     hk = pytest.importorskip("haiku")
     net = hk.without_apply_rng(
         hk.transform(
-            lambda x: hk.nets.MLP([_D, _D, _D], activation=jnp.tanh, name="mlp")(x)
+            lambda x: hk.nets.MLP([D, D, D], activation=jnp.tanh, name="mlp")(x)
         )
     )
-    x, y = _batch()
+    x, y = batch()
     params = net.init(jax.random.key(0), x)
 
     def loss(params, x, y):
@@ -199,23 +184,8 @@ def _haiku_model():
 
 def _equinox_model():
     eqx = pytest.importorskip("equinox")
-
-    class Model(eqx.Module):
-        layers: list
-
-        def __init__(self, key):
-            keys = jax.random.split(key, 3)
-            self.layers = [eqx.nn.Linear(_D, _D, key=k) for k in keys]
-
-        def __call__(self, x):
-            for layer in self.layers[:-1]:
-                x = jnp.tanh(layer(x))
-            return self.layers[-1](x)
-
-    def loss(model, x, y):
-        return jnp.mean((jax.vmap(model)(x) - y) ** 2)
-
-    return loss, Model(jax.random.key(0)), eqx.filter_grad
+    loss, model = equinox_mlp()
+    return loss, model, eqx.filter_grad
 
 
 def _nnx_model():
@@ -223,9 +193,9 @@ def _nnx_model():
 
     class MLP(nnx.Module):
         def __init__(self, rngs):
-            self.l1 = nnx.Linear(_D, _D, rngs=rngs)
-            self.l2 = nnx.Linear(_D, _D, rngs=rngs)
-            self.head = nnx.Linear(_D, _D, rngs=rngs)
+            self.l1 = nnx.Linear(D, D, rngs=rngs)
+            self.l2 = nnx.Linear(D, D, rngs=rngs)
+            self.head = nnx.Linear(D, D, rngs=rngs)
 
         def __call__(self, x):
             return self.head(jnp.tanh(self.l2(jnp.tanh(self.l1(x)))))
@@ -234,11 +204,6 @@ def _nnx_model():
         return jnp.mean((model(x) - y) ** 2)
 
     return loss, MLP(nnx.Rngs(0)), nnx.grad
-
-
-def _batch():
-    k1, k2 = jax.random.split(jax.random.key(1))
-    return jax.random.normal(k1, (128, _D)), jax.random.normal(k2, (128, _D))
 
 
 def _assert_float8_close(tree, reference):
@@ -295,7 +260,7 @@ _LAST = {"haiku": ("mlp/linear_2", 0), "equinox": ("layers/2", 0), "nnx": ("head
 @pytest.mark.parametrize("library", sorted(MODELS))
 def test_a_hand_written_plan_file_runs_what_explain_reports(library, tmp_path):
     loss, model, grad = MODELS[library]()
-    x, y = _batch()
+    x, y = batch()
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(_FILES[library], indent=2))
     plan = mixprec.Plan.load(path)
@@ -313,9 +278,9 @@ def test_a_hand_written_plan_file_runs_what_explain_reports(library, tmp_path):
             want = ("float8_e5m2" if op.backward else "float8_e4m3fn", "float8_e4m3fn")
             assert op.in_dtypes == want, op
     explained = sorted(
-        tuple(_F8.get(t, _HLO.get(t)) for t in op.in_dtypes) for op in ops
+        tuple(F8.get(t, _HLO.get(t)) for t in op.in_dtypes) for op in ops
     )
-    assert sorted(_hlo_dots(mixprec.autocast(fn, plan), model, x, y)) == explained
+    assert sorted(hlo_dots(mixprec.autocast(fn, plan), model, x, y)) == explained
     g = jax.jit(mixprec.autocast(fn, plan))(model, x, y)
     ref = fn(model, x, y)
     assert_tree_dtypes(g, jnp.float32)
@@ -408,7 +373,7 @@ def _run_step(library, step, model, x, y, *, policy):
 @pytest.mark.parametrize("library", sorted(MODELS))
 def test_a_measured_plan_runs_as_planned_in_a_whole_train_step(library, tmp_path):
     loss, model, _ = MODELS[library]()
-    x, y = _batch()
+    x, y = batch()
     # Two input channels 1e5 times the rest, read by first-layer weights
     # 1e5 times smaller: float8 (tensorwise) flushes the rest of that
     # layer's input to zero, bfloat16 does not.
@@ -416,9 +381,11 @@ def test_a_measured_plan_runs_as_planned_in_a_whole_train_step(library, tmp_path
     model = _scale_first_layer_inputs(library, model, 1e-5)
     plan = mixprec.plan(loss, model, x, y, platform="h100")
     assert [s.policy for s in plan.sites] == ["mixed_bfloat16"] + ["mixed_float8"] * 2
-    # Each site shows the user's line that calls the library's layer.
+    # Each site shows the user's line that calls the library's layer (the
+    # Equinox model's lines are plan_models.equinox_mlp's).
+    user = "plan_models.py:" if library == "equinox" else "test_plan_programs.py:"
     for s in plan.sites:
-        assert "test_plan_programs.py:" in s.source, s
+        assert user in s.source, s
     plan.save(tmp_path / "plan.json")
     plan = mixprec.Plan.load(tmp_path / "plan.json")
     policies: dict[tuple, str] = {s.key: s.policy for s in plan.sites}
@@ -542,7 +509,7 @@ def _explained(fn, plan, *args):
     report = mixprec.explain(fn, *args, policy=plan)
     fused = [op for op in report.ops if op.primitive == "dot_product_attention"]
     dots = report.find("dot_general")
-    lowered = sorted(tuple(_F8.get(t) or _HLO[t] for t in op.in_dtypes) for op in dots)
+    lowered = sorted(tuple(F8.get(t) or _HLO[t] for t in op.in_dtypes) for op in dots)
     return fused, dots, lowered
 
 
@@ -656,10 +623,24 @@ def _three_site_plan():
 def _cast_chain():
     k = jax.random.split(jax.random.key(0), 5)
     w = {
-        n: jax.random.normal(kk, (_D, _D)) / 11
+        n: jax.random.normal(kk, (D, D)) / 11
         for n, kk in zip("abc", k[:3], strict=True)
     }
-    return w, jax.random.normal(k[3], (128, _D)), jax.random.normal(k[4], (128, _D))
+    return w, jax.random.normal(k[3], (128, D)), jax.random.normal(k[4], (128, D))
+
+
+def _loss_scaled_step(loss_fn, opt):
+    """A whole train step: ``loss_fn``'s gradients under the loss scale in
+    ``opt``'s state (``mixprec.optax.loss_scaled``), then ``opt``'s update;
+    returns the new weights, state and loss."""
+
+    def train_step(w, state, x, y):
+        vg = mixprec.value_and_grad(loss_fn)
+        loss, grads, _ = vg(w, x, y, loss_scale=state)
+        updates, state = opt.update(grads, state, w)
+        return optax.apply_updates(w, updates), state, loss
+
+    return train_step
 
 
 @pytest.mark.parametrize("policy", ["plan", "mixed_float8"])
@@ -667,12 +648,7 @@ def test_a_whole_step_from_a_loss_scale_gives_float8_its_e5m2_gradients(policy):
     w, x, y = _cast_chain()
     opt = mixprec.optax.loss_scaled(optax.sgd(0.1))
     state = opt.init(w)
-
-    def train_step(w, state, x, y):
-        vg = mixprec.value_and_grad(_cast_loss)
-        loss, grads, _ = vg(w, x, y, loss_scale=state)
-        updates, state = opt.update(grads, state, w)
-        return optax.apply_updates(w, updates), state, loss
+    train_step = _loss_scaled_step(_cast_loss, opt)
 
     if policy == "plan":
         policy, want = _three_site_plan()
@@ -712,21 +688,12 @@ def test_the_compact_state_trains_under_a_plan():
     state = opt.init(w32)
     plan, want = _three_site_plan()
 
-    def make_step(loss_fn):
-        def train_step(w, state, x, y):
-            vg = mixprec.value_and_grad(loss_fn)
-            loss, grads, _ = vg(w, x, y, loss_scale=state)
-            updates, state = opt.update(grads, state, w)
-            return optax.apply_updates(w, updates), state, loss
-
-        return train_step
-
     ops = mixprec.explain(jax.grad(_cast_loss), w16, x, y, policy=plan).find(
         "dot_general"
     )
     assert [want[_site(op)[0]] == op.decision for op in ops] == [True] * 8
-    step = jax.jit(make_step(mixprec.autocast(_cast_loss, plan)))
-    ref_step = jax.jit(make_step(_cast_loss))
+    step = jax.jit(_loss_scaled_step(mixprec.autocast(_cast_loss, plan), opt))
+    ref_step = jax.jit(_loss_scaled_step(_cast_loss, opt))
     got, ref = step(w16, state, x, y), ref_step(w16, state, x, y)
     assert_tree_dtypes(got, jax.tree.map(lambda a: a.dtype, ref))
     assert got[0]["a"].dtype == jnp.bfloat16
@@ -761,11 +728,11 @@ def _scanned_loss(w, x):
 def test_scanned_layers_under_a_plan_and_the_gradient_after_the_scan(body):
     k = jax.random.split(jax.random.key(0), 4)
     w = {
-        "inp": jax.random.normal(k[0], (_D, _D)) / 11,
-        "layers": jax.random.normal(k[1], (3, _D, _D)) / 11,
-        "head": jax.random.normal(k[2], (_D, _D)) / 11,
+        "inp": jax.random.normal(k[0], (D, D)) / 11,
+        "layers": jax.random.normal(k[1], (3, D, D)) / 11,
+        "head": jax.random.normal(k[2], (D, D)) / 11,
     }
-    x = jax.random.normal(k[3], (128, _D))
+    x = jax.random.normal(k[3], (128, D))
     plan = mixprec.Plan("mixed_float8", rules=(Rule("layer", (), body),))
     fn = jax.grad(_scanned_loss)
     ops = mixprec.explain(fn, w, x, policy=plan).find("dot_general")
@@ -780,8 +747,8 @@ def test_scanned_layers_under_a_plan_and_the_gradient_after_the_scan(body):
             assert op.in_dtypes == ("float8_e5m2", "float8_e4m3fn"), op
         else:
             assert op.in_dtypes == ("float8_e4m3fn",) * 2, op
-    explained = sorted(tuple(_F8.get(t) or _HLO[t] for t in op.in_dtypes) for op in ops)
-    hlo = _hlo_dots(mixprec.autocast(fn, plan), w, x)
+    explained = sorted(tuple(F8.get(t) or _HLO[t] for t in op.in_dtypes) for op in ops)
+    hlo = hlo_dots(mixprec.autocast(fn, plan), w, x)
     # (A scan body's dots appear once in the module, for all its iterations.)
     assert sorted(hlo) == explained
     g = jax.jit(mixprec.autocast(fn, plan))(w, x)
@@ -798,12 +765,7 @@ def test_a_whole_step_under_a_plan_on_eight_devices():
     w, x, y = _cast_chain()
     opt = mixprec.optax.loss_scaled(optax.sgd(0.1))
     state = opt.init(w)
-
-    def train_step(w, state, x, y):
-        vg = mixprec.value_and_grad(_cast_loss)
-        loss, grads, _ = vg(w, x, y, loss_scale=state)
-        updates, state = opt.update(grads, state, w)
-        return optax.apply_updates(w, updates), state, loss
+    train_step = _loss_scaled_step(_cast_loss, opt)
 
     plan, want = _three_site_plan()
     mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
@@ -827,7 +789,7 @@ def test_a_whole_step_under_a_plan_on_eight_devices():
 
 def test_diagnose_suggests_a_plan_that_passes_when_re_run():
     loss, model, grad = _nnx_model()
-    x, y = _batch()
+    x, y = batch()
     # Channels 1e6 times the rest into the first layer: tensorwise float8
     # flushes every other value of its input to zero.
     x = x.at[:, :2].multiply(1e6)
@@ -907,8 +869,8 @@ def test_a_rule_over_layers_without_a_path_says_how_to_name_their_sites():
     def loss(a, b, x):
         return jnp.mean(jnp.tanh(x @ a) @ b)
 
-    w = jnp.ones((_D, _D)) / _D
-    x, _ = _batch()
+    w = jnp.ones((D, D)) / D
+    x, _ = batch()
     plan = mixprec.Plan.from_dict(
         {
             "format": 1,
