@@ -5,13 +5,13 @@ follows its forward site across `scan`, `jit`, `cond` and `checkpoint`
 boundaries."""
 
 import collections
-import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_tree_dtypes, assert_trees_close, executed_lines
+from helpers import assert_tree_dtypes, assert_trees_close
+from plan_models import hlo_dots
 
 import mixprec
 from mixprec._src.plan import Plan, Site
@@ -310,13 +310,7 @@ def test_the_cuda_export_runs_float8_gemms_where_the_plan_says_in_the_backward(l
     one loop each), every float32 site's GEMM has float32 operands."""
     w, x, y = _stack()
     plan = _two_sites("mixed_float8")
-    step = jax.jit(mixprec.autocast(jax.grad(loss), plan))
-    text = jax.export.export(step, platforms=["cuda"])(w, x, y).mlir_module()
-    dots = []
-    for line in executed_lines(text):
-        if "stablehlo.dot_general" in line:
-            ins = line.rsplit(" : ", 1)[1].split(" -> ")[0]
-            dots.append(tuple(re.findall(r"tensor<(?:[\d?]+x)*(\w+)>", ins)))
+    dots = hlo_dots(mixprec.autocast(jax.grad(loss), plan), w, x, y)
     f8 = [d for d in dots if all(t.startswith("f8") for t in d)]
     f32 = [d for d in dots if d == ("f32", "f32")]
     bf16 = [d for d in dots if d == ("bf16", "bf16")]
@@ -466,16 +460,6 @@ _MLIR = {
 }
 
 
-def _export_dots(step, args):
-    text = jax.export.export(step, platforms=["cuda"])(*args).mlir_module()
-    dots = []
-    for line in executed_lines(text):
-        if "stablehlo.dot_general" in line:
-            ins = line.rsplit(" : ", 1)[1].split(" -> ")[0]
-            dots.append(tuple(re.findall(r"tensor<(?:[\d?]+x)*(\w+)>", ins)))
-    return collections.Counter(dots)
-
-
 # The limit: a `jax.checkpoint` function called twice from one layer is one
 # body in the loss (one site per product), but the gradient runs each call's
 # forward outside any body, as if written out twice.
@@ -542,7 +526,7 @@ def test_a_whole_step_has_the_sites_of_its_loss(shape):
     # explain lists what the compiled step runs: no product used nowhere
     want = collections.Counter(tuple(_MLIR[t] for t in op.in_dtypes) for op in rows)
     auto = mixprec.autocast(jax.grad(loss), plan)
-    assert _export_dots(jax.jit(auto), (w, x, y)) == want
+    assert collections.Counter(hlo_dots(auto, w, x, y)) == want
 
 
 @pytest.mark.parametrize("shape", ["custom_jvp", "unused_loss_value"])
