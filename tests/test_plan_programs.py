@@ -571,6 +571,12 @@ def test_a_float8_site_of_an_attention_fuses_at_its_wider_partner():
     plan = mixprec.Plan("mixed_float8", rules=(Rule(_QK, (), "mixed_bfloat16"),))
     fused, dots, lowered = _explained(fn, plan, w, x, bias)
     assert [op.dtype for op in fused] == ["bfloat16", "bfloat16"]
+    # Each fused row names the sites it runs and the policy each has.
+    bf16, f8 = (str(mixprec.get_policy(p)) for p in ("mixed_bfloat16", "mixed_float8"))
+    for op in fused:
+        assert op.reason.startswith(f"plan: policy {bf16}, the widest of"), op.reason
+        assert re.search(rf"{_QK}\S*: {re.escape(bf16)}", op.reason), op.reason
+        assert re.search(rf"{_PV}\S*: {re.escape(f8)}", op.reason), op.reason
     assert len(dots) == 2 + 3 and all(op.decision == "float8" for op in dots)
     hlo, calls = _cuda_program(mixprec.autocast(fn, plan), w, x, bias)
     assert hlo == lowered and len(calls) == 2, (hlo, calls)

@@ -302,20 +302,23 @@ class Walk:
             return walk._copy(config=_site_config(self.config, planned))
         return walk.in_region(region)
 
+    def site_keys(self, eqn: JaxprEqn) -> list[Any]:
+        """The plan sites ``eqn`` runs: its own, or a fused op's products'."""
+        eqns: Sequence[JaxprEqn] = (eqn,)
+        if ops.FUSION in getattr(ops.spec_for(eqn.primitive.name), "flags", ()):
+            fusion = eqn.params.get("fusion")
+            if eqn.params.get("part") == "backward":
+                fusion = getattr(fusion, "backward", None)
+            eqns = tuple(getattr(fusion, "eqns", ()))
+        return [k for e in eqns for k in self.sites.get(id(e), ())]
+
     def _planned_policy(self, eqn: JaxprEqn) -> Any:
         """The policy the plan gives ``eqn`` if it differs from the walk's
         (a product's site; a fused attention's products, the widest), else
         ``None``."""
         plan = self.config.plan
         assert plan is not None
-        eqns: Sequence[JaxprEqn] = (eqn,)
-        if ops.FUSION in getattr(ops.spec_for(eqn.primitive.name), "flags", ()):
-            fusion = eqn.params.get("fusion")
-            part = eqn.params.get("part")
-            if part == "backward":
-                fusion = getattr(fusion, "backward", None)
-            eqns = tuple(getattr(fusion, "eqns", ()))
-        keys = [k for e in eqns for k in self.sites.get(id(e), ())]
+        keys = self.site_keys(eqn)
         if not keys:
             return None
         policy = max((plan.policy_for(*k) for k in keys), key=plan_lib.policy_rank)

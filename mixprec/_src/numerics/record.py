@@ -491,6 +491,18 @@ def record_fields(
     site = keys[0] if keys else None
     if site is not None and walk.config.plan is not None:
         reason = f"plan: policy {walk.config.policy} for its site; {reason}"
+    elif walk.config.plan is not None and hasattr(walk, "site_keys"):
+        # A fused op: the widest of its products' sites' policies.
+        inner = list(dict.fromkeys(walk.site_keys(eqn)))
+        if inner:
+            named = "; ".join(
+                f"{'/'.join(str(p) for p in k)}: {walk.config.plan.policy_for(*k)}"
+                for k in inner
+            )
+            reason = (
+                f"plan: policy {walk.config.policy}, the widest of its products' "
+                f"sites ({named}); {reason}"
+            )
     return {
         "site": site,
         "layer": layer,
