@@ -79,6 +79,33 @@ def test_a_whole_step_keeps_the_forward_names_and_its_backward_follows():
         assert op.in_dtypes == (want, want), (op.site, op.source)
 
 
+def test_a_cond_on_a_constant_index_keeps_its_sites_in_a_whole_step():
+    """`lax.cond(True, ...)` keeps a `cond` whose index is a literal, not a
+    variable: its branches are still matched across the transpose."""
+
+    def f(w, x):
+        with jax.named_scope("mlp"):
+            h = jnp.tanh(x @ w["a"])
+            h = jax.lax.cond(
+                True, lambda h: jnp.tanh(h @ w["b"]), lambda h: h @ w["c"], h
+            )
+        return jnp.mean(h**2)
+
+    w, x, _ = _args()
+    plan = Plan("mixed_bfloat16", sites=(Site("mlp", "dot_general", 1, "float32"),))
+    rows = mixprec.explain(jax.grad(f), w, x, policy=plan).find("dot_general")
+    assert [op.site for op in rows if not op.backward][:2] == [
+        ("mlp", "dot_general", 0),
+        ("mlp", "dot_general", 1),
+    ]
+    for op in rows:
+        want = "float32" if op.site[2] == 1 else "bfloat16"
+        assert op.in_dtypes == (want, want), (op.site, op.backward, op.source)
+    g = jax.jit(mixprec.autocast(jax.grad(f), plan))(w, x)
+    assert_tree_dtypes(g, jnp.float32)
+    assert_trees_close(g, jax.grad(f)(w, x), dtype="bfloat16", grad=True)
+
+
 def test_a_scan_body_and_a_function_called_twice_are_one_site():
     def f(w, x):
         g = jax.jit(lambda h, m: jnp.tanh(h @ m))

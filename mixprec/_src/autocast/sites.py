@@ -658,7 +658,9 @@ _MAX_HOPS = 16
 
 def _root(v: Any, names: _Names) -> Any:
     """Where ``v`` came from by one way only (a ``cond`` index passed into a
-    body, or converted)."""
+    body, or converted); a constant index (a ``Literal``), by its value."""
+    if type(v) is not Var:
+        return ("literal", str(v))
     for _ in range(_MAX_HOPS):
         eqn = names.producer.get(v)
         if eqn is not None and eqn.primitive.name in _THROUGH and eqn.invars:
