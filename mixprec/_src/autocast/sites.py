@@ -725,7 +725,7 @@ def _zero(v: Any, names: _Names) -> bool:
     if type(v) is Literal:
         try:
             return bool(np.all(np.asarray(v.val) == 0))
-        except Exception:  # noqa: BLE001  (not a number)
+        except (TypeError, ValueError):  # a value that is not an array of numbers
             return False
     hit = names.zeros.get(v)
     if hit is not None:
